@@ -1,0 +1,43 @@
+# The few commands everyone uses. Every target installs what it needs into .venv first.
+PY      := .venv/bin/python
+PIP     := .venv/bin/pip
+STAMP   := .venv/.installed
+PROMPT  ?= Explain speculative decoding in two sentences.
+
+.PHONY: install run test test-fast lint format bench model clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: $(STAMP)          ## fetch the default model once into $$LYANNA_CACHE (default ~/.cache/lyanna)
+	$(PY) -m lyanna.cli fetch-model
+
+run: model               ## the main job: a chat answer from the default model
+	$(PY) -m lyanna.cli generate --prompt "$(PROMPT)"
+
+lint: $(STAMP)
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+
+format: $(STAMP)
+	.venv/bin/ruff format .
+	.venv/bin/ruff check --fix .
+
+test: lint model         ## the whole suite, real-model tests included (what CI runs)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)      ## skip the slow real-model tests
+	$(PY) -m pytest -q -m "not slow"
+
+bench: model
+	$(PY) -m bench.forward_latency
+	$(PY) -m bench.verify_cost
+
+clean:
+	rm -rf .venv .pytest_cache .ruff_cache

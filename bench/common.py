@@ -1,0 +1,43 @@
+"""Helpers shared by the benchmark scripts: Spec-Bench prompts, medians, tables."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+SPEC_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "eval" / "spec_bench.jsonl"
+
+
+def load_questions(path: Path = SPEC_BENCH, per_category: int = 1) -> list[dict]:
+    """The first ``per_category`` questions of each category (first turn only)."""
+    counts: dict[str, int] = {}
+    picked = []
+    with path.open() as f:
+        for line in f:
+            row = json.loads(line)
+            if counts.get(row["category"], 0) < per_category:
+                counts[row["category"]] = counts.get(row["category"], 0) + 1
+                picked.append(row)
+    return picked
+
+
+def median_seconds(fn: Callable[[], object], repeats: int = 7, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def print_table(headers: list[str], rows: list[list[object]]) -> None:
+    """A GitHub-markdown table on stdout."""
+    print("| " + " | ".join(headers) + " |")
+    print("|" + "|".join("---" for _ in headers) + "|")
+    for row in rows:
+        print("| " + " | ".join(f"{c:.2f}" if isinstance(c, float) else str(c) for c in row) + " |")

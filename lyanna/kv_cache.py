@@ -1,0 +1,110 @@
+"""Preallocated per-sequence key/value cache with speculative rows and commit-by-gather.
+
+Each sequence owns a *slot*: ``length`` committed rows, followed by whatever a forward pass
+wrote after them (the speculative rows of a token tree). ``commit(slot, keep)`` gathers the
+accepted rows to the end of the committed prefix and drops the rest; rows past ``length`` are
+never read unless a forward writes them again, so rollback is free. Nothing is reallocated or
+concatenated in the decode loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lyanna.model.config import ModelConfig
+
+
+class CacheFullError(RuntimeError):
+    """No free slot, or a sequence would grow past the slot's capacity."""
+
+
+class KVCache:
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_slots: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_slots < 1 or max_len < 1:
+            raise ValueError("KVCache needs at least one slot of at least one row")
+        shape = (config.num_layers, num_slots, config.num_kv_heads, max_len, config.head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [L, S, kv_heads, T, hd]
+        self.values = torch.zeros(shape, dtype=dtype, device=device)  # [L, S, kv_heads, T, hd]
+        self.lengths = torch.zeros(num_slots, dtype=torch.int64)  # [S] committed rows per slot
+        self.max_len = max_len
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_slots(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        """Take a free slot (empty prefix)."""
+        if not self._free:
+            raise CacheFullError(f"all {self.num_slots} KV slots are in use")
+        slot = self._free.pop()
+        self.lengths[slot] = 0
+        return slot
+
+    def release(self, slot: int) -> None:
+        """Give the slot back; its rows become garbage."""
+        if slot in self._free or not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} is not allocated")
+        self.lengths[slot] = 0
+        self._free.append(slot)
+
+    def check_room(self, slots: torch.Tensor, num_new: int) -> None:
+        """Raise unless every slot has room for ``num_new`` more rows."""
+        longest = int(self.lengths[slots].max()) + num_new
+        if longest > self.max_len:
+            raise CacheFullError(f"sequence needs {longest} KV rows, capacity is {self.max_len}")
+
+    def write(
+        self,
+        layer: int,
+        slots: torch.Tensor,  # [B] int64
+        rows: torch.Tensor,  # [B, q] int64 absolute row index per new token
+        keys: torch.Tensor,  # [B, kv_heads, q, hd]
+        values: torch.Tensor,  # [B, kv_heads, q, hd]
+    ) -> None:
+        """Store the new tokens' keys and values (speculative until committed)."""
+        index = (slots[:, None], slice(None), rows)
+        self.keys[layer][index] = keys.transpose(1, 2)
+        self.values[layer][index] = values.transpose(1, 2)
+
+    def read(
+        self, layer: int, slots: torch.Tensor, kv_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [B, kv_heads, kv_len, hd]
+        """The first ``kv_len`` rows of each slot (a view when the slots are contiguous)."""
+        first = int(slots[0])
+        if bool((slots == torch.arange(first, first + len(slots))).all()):
+            sl = slice(first, first + len(slots))
+            return self.keys[layer, sl, :, :kv_len], self.values[layer, sl, :, :kv_len]
+        return self.keys[layer, slots, :, :kv_len], self.values[layer, slots, :, :kv_len]
+
+    def commit(self, slot: int, keep: torch.Tensor | list[int]) -> None:
+        """Append the speculative rows ``length + keep`` (ascending, relative to the first
+        speculative row) to the committed prefix, in that order; drop everything else."""
+        keep = torch.as_tensor(keep, dtype=torch.int64)
+        start = int(self.lengths[slot])
+        num_keep = keep.numel()
+        if num_keep and (int(keep.max()) + start >= self.max_len or int(keep.min()) < 0):
+            raise CacheFullError("commit refers to rows outside the slot")
+        is_prefix = bool((keep == torch.arange(num_keep)).all())
+        if num_keep and not is_prefix:
+            src = keep + start
+            self.keys[:, slot, :, start : start + num_keep] = self.keys[:, slot, :, src]
+            self.values[:, slot, :, start : start + num_keep] = self.values[:, slot, :, src]
+        self.lengths[slot] = start + num_keep
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Roll the committed prefix back to ``length`` rows."""
+        if not 0 <= length <= int(self.lengths[slot]):
+            raise ValueError(f"cannot truncate slot {slot} to {length}")
+        self.lengths[slot] = length

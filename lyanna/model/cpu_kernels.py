@@ -1,0 +1,50 @@
+"""oneDNN weight prepacking for CPU inference.
+
+On this class of CPU, MKL's sgemm for the small-M products of decoding (M = 1..64 rows) runs
+at half the memory bandwidth; oneDNN with weights reordered once into its blocked layout runs
+a 16-row product for barely more than a 1-row one (see docs/benchmarks.md). That is exactly
+the property speculative verification needs, so every Linear of a CPU fp32/bf16 model is
+swapped for ``PackedLinear`` at load time. GPU models keep plain ``nn.Linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+PACK_BATCH_HINT = 16  # oneDNN picks its kernel for this many rows; 1..64 all run well
+
+
+def prepacking_available(weight: torch.Tensor) -> bool:
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+class PackedLinear(nn.Module):
+    """A bias-free Linear whose weight lives in oneDNN's blocked layout (inference only)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:  # weight [out, in]
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
+def prepack_linears(module: nn.Module) -> int:
+    """Replace every bias-free ``nn.Linear`` under ``module`` by a ``PackedLinear``; returns
+    how many were replaced (0 when oneDNN is unavailable or the weights are not on CPU)."""
+    replaced = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear) and child.bias is None:
+            if prepacking_available(child.weight):
+                setattr(module, name, PackedLinear(child.weight))
+                replaced += 1
+        else:
+            replaced += prepack_linears(child)
+    return replaced

@@ -1,0 +1,199 @@
+"""Checkpoint loaders: GGUF (through the ``gguf`` package, dequantized) and Hugging Face
+Llama-family directories (config.json + safetensors). Both produce a state dict with Hugging
+Face names, which ``build_model`` maps onto the lean ``Transformer`` (fusing q/k/v and
+gate/up). ``export_hf_dir`` writes a converted GGUF as an HF directory, so later loads are a
+fast safetensors mmap instead of a dequantization.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from lyanna.model.config import ModelConfig, UnsupportedModelError
+from lyanna.model.cpu_kernels import prepack_linears
+from lyanna.model.transformer import Transformer, rope_tables
+
+HF_LAYER = "model.layers.{}."
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+class CheckpointError(FileNotFoundError):
+    """A checkpoint file is missing or incomplete."""
+
+
+def _gguf_config(reader) -> ModelConfig:
+    def field(name: str, default=None):
+        f = reader.fields.get(name)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch != "llama":
+        raise UnsupportedModelError(
+            f"unsupported GGUF architecture {arch!r}: only 'llama' is supported"
+        )
+    heads = int(field("llama.attention.head_count"))
+    hidden = int(field("llama.embedding_length"))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = field("llama.vocab_size") or len(tokens.data)
+    names = {t.name for t in reader.tensors}
+    return ModelConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(field("llama.feed_forward_length")),
+        num_layers=int(field("llama.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(field("llama.attention.head_count_kv", heads)),
+        head_dim=int(field("llama.rope.dimension_count", hidden // heads)),
+        rope_theta=float(field("llama.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(field("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(field("llama.context_length", 8192)),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=field("tokenizer.ggml.bos_token_id"),
+        eos_token_id=field("tokenizer.ggml.eos_token_id"),
+    )
+
+
+def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaving of q/k rows so the rotate-half RoPE layout applies."""
+    rows, cols = weight.shape
+    return (
+        weight.reshape(num_heads, rows // num_heads // 2, 2, cols)
+        .transpose(1, 2)
+        .reshape(rows, cols)
+    )
+
+
+def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Dequantize a llama GGUF file to an fp32 state dict with Hugging Face names."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"GGUF file not found: {path}")
+    reader = GGUFReader(path)
+    config = _gguf_config(reader)
+    state: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        array = dequantize(tensor.data, tensor.tensor_type)
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        weight = torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))
+        name = tensor.name
+        if name == "token_embd.weight":
+            state["model.embed_tokens.weight"] = weight
+        elif name == "output_norm.weight":
+            state["model.norm.weight"] = weight
+        elif name == "output.weight":
+            state["lm_head.weight"] = weight
+        elif name.startswith("blk."):
+            _, idx, kind, _ = name.split(".")
+            if kind == "attn_q":
+                weight = _unpermute_rope(weight, config.num_heads)
+            elif kind == "attn_k":
+                weight = _unpermute_rope(weight, config.num_kv_heads)
+            if kind in _GGUF_LAYER_NAMES:
+                state[HF_LAYER.format(idx) + _GGUF_LAYER_NAMES[kind] + ".weight"] = weight
+    return config, state
+
+
+def read_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read config.json and every *.safetensors shard of a Hugging Face checkpoint."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"no config.json in {path}")
+    config = ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise CheckpointError(f"no *.safetensors files in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        state.update(load_file(shard))
+    return config, state
+
+
+def build_model(
+    config: ModelConfig,
+    hf_state: dict[str, torch.Tensor],
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    prepack: bool = True,
+) -> Transformer:
+    """Map a Hugging Face Llama state dict onto the lean model; on CPU, ``prepack`` swaps the
+    linear layers for oneDNN-packed ones (see ``cpu_kernels``)."""
+
+    def take(name: str) -> torch.Tensor:
+        if name not in hf_state:
+            raise CheckpointError(f"checkpoint lacks tensor {name}")
+        return hf_state[name]
+
+    ours: dict[str, torch.Tensor] = {
+        "embed_tokens.weight": take("model.embed_tokens.weight"),
+        "norm.weight": take("model.norm.weight"),
+    }
+    if not config.tie_word_embeddings:
+        ours["lm_head.weight"] = take("lm_head.weight")
+    for i in range(config.num_layers):
+        pre, new = HF_LAYER.format(i), f"layers.{i}."
+        ours[new + "attention_norm.weight"] = take(pre + "input_layernorm.weight")
+        ours[new + "ffn_norm.weight"] = take(pre + "post_attention_layernorm.weight")
+        ours[new + "attention.wqkv.weight"] = torch.cat(
+            [take(pre + f"self_attn.{p}_proj.weight") for p in "qkv"]
+        )
+        ours[new + "attention.wo.weight"] = take(pre + "self_attn.o_proj.weight")
+        ours[new + "feed_forward.w13.weight"] = torch.cat(
+            [take(pre + "mlp.gate_proj.weight"), take(pre + "mlp.up_proj.weight")]
+        )
+        ours[new + "feed_forward.w2.weight"] = take(pre + "mlp.down_proj.weight")
+    with torch.device("meta"):
+        model = Transformer(config)
+    model.load_state_dict(ours, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    # rotary tables were created on meta; rebuild them in fp32 whatever the weight dtype
+    model.rope_cos, model.rope_sin = rope_tables(config)
+    model = model.to(device=device, dtype=dtype).eval()
+    model.rope_cos, model.rope_sin = (t.to(device) for t in rope_tables(config))
+    if prepack:
+        prepack_linears(model)
+    return model
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    prepack: bool = True,
+) -> Transformer:
+    """Load a ``.gguf`` file or a Hugging Face directory."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        config, state = read_gguf(path)
+    elif path.is_dir():
+        config, state = read_hf_dir(path)
+    else:
+        raise CheckpointError(f"not a .gguf file or a checkpoint directory: {path}")
+    return build_model(config, state, dtype, device, prepack)
+
+
+def export_hf_dir(config: ModelConfig, hf_state: dict[str, torch.Tensor], out_dir: Path) -> None:
+    """Write config.json + model.safetensors that both this loader and transformers read."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.contiguous() for k, v in hf_state.items()}
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config.to_hf(), indent=2))

@@ -1,0 +1,192 @@
+"""A lean Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) built for
+speculative decoding: one forward takes any number of new tokens per sequence with an arbitrary
+mask over them (a token tree), reads and writes a preallocated ``KVCache``, and returns final
+(post-norm) hidden states; the LM head is a separate call so callers project only the rows
+they need.
+
+Batching uses padding: a batch is ``[B, q]`` new tokens; sequence b attends to its own
+``lengths[b]`` committed rows plus the new tokens its ``tree_mask`` row allows. Padding tokens
+(``tree_mask`` with only the diagonal set) write harmless speculative rows that are never
+committed. The fused projections (``wqkv``, ``w13``) follow gpt-fast: fewer, larger matmuls.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lyanna.kv_cache import KVCache
+from lyanna.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_positions, head_dim] in the Hugging Face (rotate-half) layout."""
+    hd = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    pos = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, q, hd]; cos/sin [B, 1, q, hd]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        self.wqkv = nn.Linear(config.hidden_size, qkv_out, bias=False)
+        self.wo = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, q, d]
+        ctx: ForwardContext,
+        layer: int,
+    ) -> torch.Tensor:  # [B, q, d]
+        B, q, _ = x.shape
+        hd = self.head_dim
+        qkv = self.wqkv(x)
+        n_q, n_kv = self.num_heads * hd, self.num_kv_heads * hd
+        xq = qkv[..., :n_q].view(B, q, self.num_heads, hd).transpose(1, 2)
+        xk = qkv[..., n_q : n_q + n_kv].view(B, q, self.num_kv_heads, hd).transpose(1, 2)
+        xv = qkv[..., n_q + n_kv :].view(B, q, self.num_kv_heads, hd).transpose(1, 2)
+        xq = apply_rope(xq, ctx.cos, ctx.sin)
+        xk = apply_rope(xk, ctx.cos, ctx.sin)
+        ctx.cache.write(layer, ctx.slots, ctx.rows, xk, xv)
+        keys, values = ctx.cache.read(layer, ctx.slots, ctx.kv_len)
+        out = F.scaled_dot_product_attention(
+            xq, keys, values, attn_mask=ctx.mask, enable_gqa=self.num_kv_heads != self.num_heads
+        )
+        return self.wo(out.transpose(1, 2).reshape(B, q, self.num_heads * hd))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        self.w13 = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).split(self.intermediate, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), ctx, layer)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class ForwardContext:
+    """Per-forward tensors shared by all layers: cache rows to write, mask, rotary tables."""
+
+    def __init__(
+        self,
+        cache: KVCache,
+        slots: torch.Tensor,  # [B] int64
+        positions: torch.Tensor,  # [B, q] int64
+        tree_mask: torch.Tensor | None,  # [B, q, q] bool, True = may attend; None = causal
+        cos_table: torch.Tensor,
+        sin_table: torch.Tensor,
+    ) -> None:
+        B, q = positions.shape
+        cache.check_room(slots, q)
+        lengths = cache.lengths[slots]  # [B]
+        self.cache, self.slots = cache, slots
+        self.rows = lengths[:, None] + torch.arange(q)  # [B, q]
+        self.kv_len = int(lengths.max()) + q
+        self.cos = cos_table[positions].unsqueeze(1).to(cache.keys.dtype)  # [B, 1, q, hd]
+        self.sin = sin_table[positions].unsqueeze(1).to(cache.keys.dtype)
+        self.mask = self._build_mask(lengths, q, tree_mask)
+
+    def _build_mask(
+        self, lengths: torch.Tensor, q: int, tree_mask: torch.Tensor | None
+    ) -> torch.Tensor | None:  # [B, 1, q, kv_len] bool
+        B = lengths.shape[0]
+        if tree_mask is None:
+            tree_mask = torch.ones(q, q, dtype=torch.bool).tril_().expand(B, q, q)
+            if q == 1 and (B == 1 or bool((lengths == lengths[0]).all())):
+                return None  # one new token per sequence, equal lengths: attend to all
+        cols = torch.arange(self.kv_len)
+        mask = (cols[None, None, :] < lengths[:, None, None]).expand(B, q, self.kv_len).clone()
+        batch_idx = torch.arange(B)[:, None, None]
+        query_idx = torch.arange(q)[None, :, None]
+        mask[batch_idx, query_idx, self.rows[:, None, :]] = tree_mask
+        return mask.unsqueeze(1)
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        cos, sin = rope_tables(config)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        max_len = min(max_len, self.config.max_position_embeddings)
+        return KVCache(self.config, num_slots, max_len, self.dtype, self.embed_tokens.weight.device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [B, q] int64
+        positions: torch.Tensor,  # [B, q] int64
+        cache: KVCache,
+        slots: torch.Tensor,  # [B] int64
+        tree_mask: torch.Tensor | None = None,  # [B, q, q] bool; None = causal
+    ) -> torch.Tensor:  # [B, q, hidden] final (post-norm) hidden states
+        """Run the new tokens; their keys/values land in the speculative rows after each
+        slot's committed prefix (call ``cache.commit`` to keep some of them)."""
+        if int(positions.max()) >= self.config.max_position_embeddings:
+            raise ValueError("position exceeds the model's context length")
+        ctx = ForwardContext(cache, slots, positions, tree_mask, self.rope_cos, self.rope_sin)
+        x = self.embed_tokens(tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx, i)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., vocab] float32
+        """LM head on the given rows only."""
+        return self.lm_head(hidden).float()
