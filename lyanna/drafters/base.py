@@ -1,0 +1,88 @@
+"""The ``Drafter`` protocol every speculative method implements, so the engine never branches
+on the method: ``start`` a sequence after prefill, ``propose`` one token tree per sequence,
+learn the outcome in ``on_verified``, ``release`` the sequence's state.
+
+Token ids and hidden states handed over follow one convention: the target's KV cache holds
+every *committed* token except the newest one, the *next token* (the residual or bonus token
+of the last verification), which is the root of the next tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from lyanna.tree import DraftScheme, TokenTree
+
+
+@dataclass(frozen=True, slots=True)
+class DraftBudget:
+    """Tree-shape knobs shared by every drafter (the same budget for a fair comparison)."""
+
+    depth: int = 5  # maximum draft depth
+    top_k: int = 4  # children per expanded node
+    max_tokens: int = 16  # verification budget B: draft nodes per sequence per step
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.top_k < 1 or self.max_tokens < 1:
+            raise ValueError("depth, top_k and max_tokens must be >= 1")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class VerifiedStep:
+    """What one verification taught about one sequence."""
+
+    seq_id: int
+    committed: list[int]  # tokens that entered the target KV this step: old root + accepted
+    hidden: torch.Tensor | None  # [len(committed), hidden] target final hidden states of them
+    next_token: int  # residual or bonus token: the next root, not yet in the target KV
+    num_accepted: int  # accepted draft tokens (len(committed) - 1)
+    num_committed: int  # total tokens in the target KV after this step
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Proposes token trees. ``scheme`` states how children are chosen, which fixes the
+    lossless acceptance rule at temperature > 0 (see ``lyanna.verify.rule_for``)."""
+
+    scheme: DraftScheme
+    needs_hidden: bool  # whether start/on_verified need target hidden states
+
+    def start(
+        self,
+        seq_id: int,
+        prompt_ids: list[int],
+        prompt_hidden: torch.Tensor | None,  # [len(prompt_ids), hidden]
+        first_token: int,
+    ) -> None: ...
+
+    def propose(self, seq_ids: list[int]) -> list[TokenTree]: ...
+
+    def on_verified(self, steps: list[VerifiedStep]) -> None: ...
+
+    def release(self, seq_id: int) -> None: ...
+
+
+class NoDrafter:
+    """Plain autoregressive decoding through the speculative engine: root-only trees."""
+
+    scheme = DraftScheme.TOPK
+    needs_hidden = False
+
+    def __init__(self) -> None:
+        self._roots: dict[int, int] = {}
+
+    def start(self, seq_id, prompt_ids, prompt_hidden, first_token) -> None:
+        self._roots[seq_id] = first_token
+
+    def propose(self, seq_ids: list[int]) -> list[TokenTree]:
+        return [TokenTree.root_only(self._roots[s]) for s in seq_ids]
+
+    def on_verified(self, steps: list[VerifiedStep]) -> None:
+        for step in steps:
+            self._roots[step.seq_id] = step.next_token
+
+    def release(self, seq_id: int) -> None:
+        self._roots.pop(seq_id, None)

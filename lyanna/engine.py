@@ -1,0 +1,158 @@
+"""The in-process speculative engine: one loop for every method.
+
+``step()`` = admit waiting sequences (prefill, ``drafter.start``) -> ``drafter.propose`` one
+tree per running sequence -> one target forward over the packed trees -> the acceptance rule
+per sequence -> commit the accepted KV rows, emit tokens -> ``drafter.on_verified`` -> retire
+finished sequences. Plain autoregressive decoding is the same loop with ``NoDrafter``.
+The services split this loop across processes; this module is the oracle they must match.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from lyanna.decode import prefill
+from lyanna.drafters.base import Drafter, NoDrafter, VerifiedStep
+from lyanna.model.transformer import Transformer
+from lyanna.sampling import greedy_or_sample, logits_to_probs
+from lyanna.sequence import Sequence
+from lyanna.stats import SpecStats
+from lyanna.tree import TokenTree, pack_trees
+from lyanna.verify import AcceptanceRule, get_rule, rule_for
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    max_batch: int = 8  # running sequences per step
+    max_len: int = 4096  # KV rows per sequence (prompt + output + one tree)
+    rule: str | None = None  # acceptance rule by name; None = greedy at T=0, else the
+    #                          drafter scheme's default lossless rule
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1 or self.max_len < 2:
+            raise ValueError("max_batch must be >= 1 and max_len >= 2")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Emitted:
+    sequence: Sequence
+    tokens: list[int]  # newly emitted output tokens (may be empty when EOS ended it)
+
+
+class SpecEngine:
+    def __init__(
+        self,
+        model: Transformer,
+        drafter: Drafter | None = None,
+        config: EngineConfig | None = None,
+    ) -> None:
+        self.model = model
+        self.drafter = drafter or NoDrafter()
+        self.config = config or EngineConfig()
+        self.cache = model.new_cache(self.config.max_batch, self.config.max_len)
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[int, Sequence] = {}
+        self.slots: dict[int, int] = {}
+        self.stats = SpecStats()
+
+    def submit(self, sequence: Sequence) -> None:
+        longest = len(sequence.prompt_ids) + sequence.params.max_tokens + 64
+        if longest > self.cache.max_len:
+            raise ValueError(f"prompt + max_tokens needs {longest} KV rows > {self.cache.max_len}")
+        self.waiting.append(sequence)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def run(self) -> SpecStats:
+        """Step until every submitted sequence has finished."""
+        while self.has_work:
+            self.step()
+        return self.stats
+
+    def step(self) -> list[Emitted]:
+        emitted = self._admit()
+        if self.running:
+            emitted += self._speculate()
+        for seq_id in [s for s, seq in self.running.items() if seq.finished]:
+            self._retire(seq_id)
+        return emitted
+
+    def _rule(self, sequence: Sequence) -> AcceptanceRule:
+        if self.config.rule is not None and not sequence.params.greedy:
+            return get_rule(self.config.rule)
+        return rule_for(self.drafter.scheme, sequence.params.greedy)
+
+    def _admit(self) -> list[Emitted]:
+        emitted = []
+        while self.waiting and len(self.running) < self.config.max_batch:
+            seq = self.waiting.popleft()
+            start = time.perf_counter()
+            slot = self.cache.allocate()
+            hidden = prefill(self.model, seq, self.cache, slot)
+            first = int(greedy_or_sample(self.model.logits(hidden[-1:]), seq.params, seq.generator))
+            self.stats.prefill_seconds += time.perf_counter() - start
+            self.stats.num_prefill_tokens += len(seq.prompt_ids)
+            self.running[seq.seq_id], self.slots[seq.seq_id] = seq, slot
+            emitted.append(Emitted(seq, seq.append([first])))
+            if not seq.finished:
+                start = time.perf_counter()
+                prompt_hidden = hidden if self.drafter.needs_hidden else None
+                self.drafter.start(seq.seq_id, seq.prompt_ids, prompt_hidden, first)
+                self.stats.draft_seconds += time.perf_counter() - start
+        return emitted
+
+    def _speculate(self) -> list[Emitted]:
+        seq_ids = list(self.running)
+        start = time.perf_counter()
+        trees = self.drafter.propose(seq_ids)
+        verify_start = time.perf_counter()
+        verdicts, hidden = self._verify(seq_ids, trees)
+        updates, emitted = [], []
+        for row, (seq_id, tree, verdict) in enumerate(zip(seq_ids, trees, verdicts, strict=True)):
+            seq, slot = self.running[seq_id], self.slots[seq_id]
+            self.cache.commit(slot, verdict.path)
+            self.stats.record(verdict)
+            emitted.append(Emitted(seq, seq.append(verdict.tokens)))
+            committed = [int(tree.tokens[i]) for i in verdict.path]
+            path_hidden = hidden[row, verdict.path] if self.drafter.needs_hidden else None
+            updates.append(
+                VerifiedStep(
+                    seq_id=seq_id,
+                    committed=committed,
+                    hidden=path_hidden,
+                    next_token=verdict.tokens[-1],
+                    num_accepted=verdict.num_accepted,
+                    num_committed=int(self.cache.lengths[slot]),
+                )
+            )
+        feedback_start = time.perf_counter()
+        self.drafter.on_verified([u for u in updates if not self.running[u.seq_id].finished])
+        end = time.perf_counter()
+        self.stats.draft_seconds += (verify_start - start) + (end - feedback_start)
+        self.stats.verify_seconds += feedback_start - verify_start
+        return emitted
+
+    def _verify(self, seq_ids: list[int], trees: list[TokenTree]):
+        slots = torch.tensor([self.slots[s] for s in seq_ids])
+        packed = pack_trees(trees, self.cache.lengths[slots])
+        hidden = self.model(packed.tokens, packed.positions, self.cache, slots, packed.mask)
+        logits = self.model.logits(hidden)  # [B, n_max, vocab]
+        verdicts = []
+        for row, (seq_id, tree) in enumerate(zip(seq_ids, trees, strict=True)):
+            seq = self.running[seq_id]
+            rows = logits[row, : tree.num_nodes]
+            if not seq.params.greedy:
+                rows = logits_to_probs(rows, seq.params.temperature, seq.params.top_p)
+            verdicts.append(self._rule(seq)(tree, rows, seq.generator))
+        return verdicts, hidden
+
+    def _retire(self, seq_id: int) -> None:
+        self.running.pop(seq_id)
+        self.cache.release(self.slots.pop(seq_id))
+        self.drafter.release(seq_id)

@@ -1,0 +1,62 @@
+"""Speculation statistics with vLLM-like semantics: verification steps, drafted and accepted
+tokens, acceptance per depth, and where the time went.
+
+*Acceptance length* (tau) counts the residual/bonus token: tokens emitted per verification.
+The *conditional acceptance rate* at depth d is P(depth d accepted | depth d-1 accepted and the
+tree had a node at depth d), the quantity of the Lyanna paper's Table 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lyanna.verify import Verdict
+
+
+@dataclass(slots=True)
+class SpecStats:
+    num_steps: int = 0  # verifications (one per sequence per engine step)
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_emitted: int = 0  # tokens handed to sequences (accepted + residual/bonus)
+    reached: list[int] = field(default_factory=list)  # [d-1]: steps with depth d-1 accepted and
+    #                                                   a depth-d node drafted
+    accepted: list[int] = field(default_factory=list)  # [d-1]: steps with depth d accepted
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    num_prefill_tokens: int = 0
+
+    def record(self, verdict: Verdict) -> None:
+        self.num_steps += 1
+        self.num_drafted += sum(verdict.num_drafted_per_depth)
+        self.num_accepted += verdict.num_accepted
+        self.num_emitted += verdict.num_accepted + 1
+        depths = len(verdict.num_drafted_per_depth)
+        while len(self.reached) < depths:
+            self.reached.append(0)
+            self.accepted.append(0)
+        for d in range(depths):
+            if d > verdict.num_accepted or verdict.num_drafted_per_depth[d] == 0:
+                break
+            self.reached[d] += 1
+            if d < verdict.num_accepted:
+                self.accepted[d] += 1
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.num_emitted / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def conditional_acceptance(self) -> list[float]:
+        return [a / r if r else 0.0 for a, r in zip(self.accepted, self.reached, strict=True)]
+
+    def merge(self, other: SpecStats) -> None:
+        for name in ("num_steps", "num_drafted", "num_accepted", "num_emitted"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("draft_seconds", "verify_seconds", "prefill_seconds", "num_prefill_tokens"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for mine, theirs in ((self.reached, other.reached), (self.accepted, other.accepted)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for d, count in enumerate(theirs):
+                mine[d] += count
