@@ -95,7 +95,8 @@ def main() -> None:
     lean = lean_ar(model, prompts, args.max_tokens, eos)
     ref = transformers_ar(prompts, args.max_tokens)
     print(
-        f"\nGreedy AR, {len(prompts)} Spec-Bench prompts, <= {args.max_tokens} new tokens, end-to-end:\n"
+        f"\nGreedy AR, {len(prompts)} Spec-Bench prompts, "
+        f"<= {args.max_tokens} new tokens, end-to-end:\n"
     )
     print_table(
         ["engine", "tokens/s", "vs transformers"],
