@@ -1,0 +1,217 @@
+"""The Lyanna drafter at inference: hidden-state chain, token-info tree sampling, re-sampling
+and verification fusion (paper Sections 4-6).
+
+Per step and sequence: the fused inputs ``fc(H_j ⊕ E(t_j+1))`` of the newly committed tokens
+enter the draft layer's KV cache; the last one yields ``h1``; ``h2..hN`` follow from the chain
+alone (their KV rows are rolled back afterwards); the LM head runs once over the chain; the
+tree is built by token-info sampling and pruned to the budget. After verification, if the
+accepted path stopped early, the chain's remaining logits are re-sampled from the bonus
+token (no new forward) and the subtree is either merged into the next verification tree
+(fusion) or verified on its own in the next step (unfused ablation).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from lyanna.drafters.base import DraftBudget, VerifiedStep
+from lyanna.drafters.lyanna_model import LyannaDraftConfig, LyannaDraftModel
+from lyanna.drafters.token_info_tree import build_subtree, resample_subtree
+from lyanna.kv_cache import KVCache
+from lyanna.model.cpu_kernels import prepack_linears
+from lyanna.model.transformer import ForwardContext, Transformer
+from lyanna.tree import DraftScheme, TokenTree
+
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "lyanna-smollm2-135m"
+
+
+@dataclass(frozen=True, slots=True)
+class ResampleConfig:
+    enabled: bool = True
+    fusion: bool = True  # merge into the next tree; False = verify it in a step of its own
+    min_remaining: int = 1  # r: re-sample only if at least r chain steps remain
+
+
+@dataclass(slots=True, eq=False)
+class _SeqState:
+    slot: int
+    root: int  # next tree's root token (not yet in the target KV)
+    pending: torch.Tensor  # [m, n] fused inputs waiting for the draft KV
+    next_position: int  # position of pending[0]
+    chain_logits: torch.Tensor | None = None  # [N, num_hot] of the last fresh chain
+    resampled: TokenTree | None = None
+    resampled_paths: frozenset[tuple[int, ...]] = frozenset()  # token paths only it proposed
+
+
+class LyannaDrafter:
+    scheme = DraftScheme.TOPK
+    needs_hidden = True
+
+    def __init__(
+        self,
+        target: Transformer,
+        draft: LyannaDraftModel,
+        budget: DraftBudget | None = None,
+        resample: ResampleConfig | None = None,
+        max_seqs: int = 16,
+        max_len: int = 4096,
+    ) -> None:
+        self.draft = draft.eval()
+        self.budget = budget or DraftBudget()
+        self.resample = resample or ResampleConfig()
+        layer_config = replace(draft.config.target, num_layers=1)
+        self.cache = KVCache(layer_config, max_seqs, max_len + self.budget.depth + 1)
+        self.info_table = draft.collapsed_token_info() if draft.config.use_token_info else None
+        self.seqs: dict[int, _SeqState] = {}
+        self.num_resampled_accepted = 0  # accepted tokens that only a re-sampled subtree held
+        self._target = target
+
+    @classmethod
+    def from_checkpoint(
+        cls, target: Transformer, path: Path = DEFAULT_CHECKPOINT, **kwargs
+    ) -> LyannaDrafter:
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"no Lyanna checkpoint at {path} (see training/README.md)")
+        config = LyannaDraftConfig.from_dict(json.loads((path / "config.json").read_text()))
+        state = {k: v.float() for k, v in load_file(path / "model.safetensors").items()}
+        draft = LyannaDraftModel(config, target.embed_tokens.weight, state["hot_ids"].long())
+        draft.load_state_dict(state, strict=True)
+        prepack_linears(draft.layer)
+        return cls(target, draft, **kwargs)
+
+    # -- Drafter protocol ------------------------------------------------------------------
+
+    def start(self, seq_id, prompt_ids, prompt_hidden, first_token) -> None:
+        following = torch.tensor([*prompt_ids[1:], first_token])
+        with torch.inference_mode():
+            pending = self.draft.fuse(prompt_hidden, following)
+        self.seqs[seq_id] = _SeqState(self.cache.allocate(), first_token, pending, 0)
+
+    def on_verified(self, steps: list[VerifiedStep]) -> None:
+        for step in steps:
+            state = self.seqs[step.seq_id]
+            following = torch.tensor([*step.committed[1:], step.next_token])
+            with torch.inference_mode():
+                fused = self.draft.fuse(step.hidden, following)
+            state.pending = torch.cat([state.pending, fused])
+            self._count_resampled(state, step)
+            state.root = step.next_token
+            state.resampled, state.resampled_paths = None, frozenset()
+            if self.resample.enabled and state.chain_logits is not None:
+                state.resampled = resample_subtree(
+                    state.chain_logits,
+                    step.num_accepted,
+                    step.next_token,
+                    self.resample.min_remaining,
+                    self.budget.top_k,
+                    self.info_table,
+                    self.draft.hot_ids,
+                    self.draft.hot_index,
+                )
+            state.chain_logits = None
+
+    def release(self, seq_id: int) -> None:
+        state = self.seqs.pop(seq_id, None)
+        if state is not None:
+            self.cache.release(state.slot)
+
+    def propose(self, seq_ids: list[int]) -> list[TokenTree]:
+        states = [self.seqs[s] for s in seq_ids]
+        if not self.resample.fusion:
+            solo = [s.resampled is not None for s in states]
+            fresh = [s for s, is_solo in zip(states, solo, strict=True) if not is_solo]
+            trees = iter(self._fresh_trees(fresh) if fresh else [])
+            return [
+                self._take_resampled(s) if is_solo else next(trees)
+                for s, is_solo in zip(states, solo, strict=True)
+            ]
+        trees = self._fresh_trees(states)
+        return [self._fuse(state, tree) for state, tree in zip(states, trees, strict=True)]
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _take_resampled(self, state: _SeqState) -> TokenTree:
+        tree = state.resampled.prune(self.budget.max_tokens)
+        state.resampled_paths = _token_paths(tree)
+        return tree
+
+    def _fuse(self, state: _SeqState, fresh: TokenTree) -> TokenTree:
+        if state.resampled is None:
+            return fresh
+        merged = fresh.merge(state.resampled).prune(self.budget.max_tokens)
+        state.resampled_paths = _token_paths(merged) - _token_paths(fresh)
+        return merged
+
+    def _count_resampled(self, state: _SeqState, step: VerifiedStep) -> None:
+        if state.resampled_paths:
+            accepted = step.committed[1:]
+            self.num_resampled_accepted += sum(
+                tuple(accepted[: d + 1]) in state.resampled_paths for d in range(len(accepted))
+            )
+
+    @torch.inference_mode()
+    def _fresh_trees(self, states: list[_SeqState]) -> list[TokenTree]:
+        chains = self._chains(states)  # [B, N, n]
+        logits = self.draft.chain_logits(chains)  # [B, N, num_hot]: one GEMM
+        trees = []
+        for state, chain_logits in zip(states, logits, strict=True):
+            state.chain_logits = chain_logits
+            tree = build_subtree(
+                chain_logits,
+                state.root,
+                self.budget.top_k,
+                self.info_table,
+                self.draft.hot_ids,
+                self.draft.hot_index,
+            )
+            trees.append(tree.prune(self.budget.max_tokens))
+        return trees
+
+    def _chains(self, states: list[_SeqState]) -> torch.Tensor:  # [B, N, n]
+        """h1 from the pending context, then h2..hN from the chain alone."""
+        draft, cache = self.draft, self.cache
+        slots = torch.tensor([s.slot for s in states])
+        width = max(s.pending.shape[0] for s in states)
+        n = draft.config.target.hidden_size
+        x = torch.zeros(len(states), width, n)
+        positions = torch.zeros(len(states), width, dtype=torch.int64)
+        for b, s in enumerate(states):
+            m = s.pending.shape[0]
+            x[b, :m] = s.pending
+            positions[b] = s.next_position + torch.arange(width).clamp(max=m - 1)
+        out = draft.layer(
+            x, ForwardContext(cache, slots, positions, None, draft.rope_cos, draft.rope_sin), 0
+        )
+        last = torch.tensor([s.pending.shape[0] - 1 for s in states])
+        h = draft.out_norm(out[torch.arange(len(states)), last])  # [B, n] = h1
+        context_len = []
+        for s in states:
+            m = s.pending.shape[0]
+            cache.commit(s.slot, torch.arange(m))
+            s.next_position += m
+            s.pending = s.pending[:0]
+            context_len.append(int(cache.lengths[s.slot]))
+        chain = [h]
+        for step in range(1, self.budget.depth):
+            pos = torch.tensor([[p + step - 1] for p in context_len])
+            ctx = ForwardContext(cache, slots, pos, None, draft.rope_cos, draft.rope_sin)
+            h = draft.out_norm(draft.layer(h[:, None], ctx, 0)[:, 0])
+            for s in states:
+                cache.commit(s.slot, [0])
+            chain.append(h)
+        for s, length in zip(states, context_len, strict=True):
+            cache.truncate(s.slot, length)
+        return torch.stack(chain, dim=1)
+
+
+def _token_paths(tree: TokenTree) -> frozenset[tuple[int, ...]]:
+    """The token sequence from the root (exclusive) to every draft node."""
+    tokens = tree.tokens.tolist()
+    return frozenset(
+        tuple(tokens[i] for i in tree.path_to(node)[1:]) for node in range(1, tree.num_nodes)
+    )

@@ -1,0 +1,205 @@
+"""The Lyanna draft model: one decoder layer that auto-regresses on hidden states only, plus
+the token-info embedding (paper: "Make Every Draft Count", Sections 4-6).
+
+* Chain: ``h1 = Layer(fc(h0 ⊕ E(t1)))`` where ``h0`` is the target's hidden state before the
+  root token ``t1``; then ``h(i+1) = Layer(h(i))``. No sampled token enters the chain, so the
+  chain stays valid whatever tokens verification rejects. The layer attends over the fused
+  inputs of the committed context (EAGLE-style) and over the chain's own earlier steps.
+* One-pass logits: the frozen target LM head, restricted to the hot vocabulary, runs once over
+  the whole chain.
+* Token-info embedding: ``E'(t) = W_E[t] · W1 · W2`` (``W1: n x d``, ``W2: d x |V_hot|``),
+  ``bias(t) = RMSNorm(E'(t))`` added to the logits whose parent token is ``t``; collapsed after
+  training into a lookup table over the hot tokens (hot-token sparsity: tokens outside the
+  hot set have no row and are never proposed).
+
+Hidden states here are the target's *final, post-norm* states, so the LM head applies to
+them directly; the draft layer's output goes through its own RMSNorm into that space.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lyanna.model.config import ModelConfig
+from lyanna.model.transformer import Block, RMSNorm, rope_tables
+
+
+@dataclass(frozen=True, slots=True)
+class LyannaDraftConfig:
+    target: ModelConfig
+    num_hot: int = 8192  # hot vocabulary (token-info rows/columns, proposable tokens)
+    info_rank: int = 256  # d of the low-rank token-info factorisation
+    chain_steps: int = 5  # N: hidden states per draft chain
+    use_token_info: bool = True  # ablation: "w/o token info"
+    fuse_first_token: bool = True  # ablation: "w/o first token" (h1 = Layer(h0))
+
+    def __post_init__(self) -> None:
+        if not 0 < self.num_hot <= self.target.vocab_size:
+            raise ValueError("num_hot must be in (0, vocab_size]")
+        if self.chain_steps < 1 or self.info_rank < 1:
+            raise ValueError("chain_steps and info_rank must be >= 1")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["target"] = self.target.as_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LyannaDraftConfig:
+        return cls(**{**d, "target": ModelConfig(**d["target"])})
+
+
+class LyannaDraftModel(nn.Module):
+    """Trainable parts: ``fc``, ``layer``, ``out_norm``, ``w1``, ``w2``, ``info_norm``.
+    The target's embedding (= tied LM head) is shared and frozen, never saved."""
+
+    def __init__(self, config: LyannaDraftConfig, embedding: torch.Tensor, hot_ids: torch.Tensor):
+        super().__init__()
+        t = config.target
+        self.config = config
+        self.register_buffer("embedding", embedding.detach(), persistent=False)  # [V, n] frozen
+        self.register_buffer("hot_ids", hot_ids.to(torch.int64))  # [num_hot] full-vocab ids
+        hot_index = torch.full((t.vocab_size,), -1, dtype=torch.int64)
+        hot_index[hot_ids] = torch.arange(hot_ids.numel())
+        self.register_buffer("hot_index", hot_index, persistent=False)  # [V] -> hot row or -1
+        self.fc = nn.Linear(2 * t.hidden_size, t.hidden_size, bias=False)
+        self.layer = Block(t)
+        self.out_norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
+        self.w1 = nn.Parameter(torch.randn(t.hidden_size, config.info_rank) / t.hidden_size**0.5)
+        self.w2 = nn.Parameter(torch.zeros(config.info_rank, config.num_hot))
+        self.info_norm = RMSNorm(config.num_hot, t.rms_norm_eps)
+        cos, sin = rope_tables(t)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        with torch.no_grad():  # start as "h0 + E(t1)"
+            eye = torch.eye(t.hidden_size)
+            self.fc.weight.copy_(torch.cat([eye, eye], dim=1))
+            self.info_norm.weight.fill_(0.1)
+
+    @property
+    def hot_head(self) -> torch.Tensor:  # [num_hot, n] rows of the tied LM head
+        return self.embedding[self.hot_ids]
+
+    def fuse(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """fc(h ⊕ E(t)): hidden [..., n], next_tokens [...] -> [..., n]."""
+        emb = self.embedding[next_tokens]
+        if not self.config.fuse_first_token:
+            emb = torch.zeros_like(emb)
+        return self.fc(torch.cat([hidden, emb], dim=-1))
+
+    def token_info(self, parent_tokens: torch.Tensor) -> torch.Tensor:
+        """RMSNorm(W_E[t] W1 W2) per parent token: [...] -> [..., num_hot]; zero for tokens
+        outside the hot set or when token info is disabled."""
+        rows = self.info_norm(self.embedding[parent_tokens] @ self.w1 @ self.w2)
+        keep = (self.hot_index[parent_tokens] >= 0) & self.config.use_token_info
+        return rows * keep.unsqueeze(-1).to(rows.dtype)
+
+    @torch.no_grad()
+    def collapsed_token_info(self, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+        """The lookup table T[hot row] = RMSNorm(E'(hot token)): [num_hot, num_hot]."""
+        return self.token_info(self.hot_ids).to(dtype)
+
+    def chain_logits(self, chain: torch.Tensor) -> torch.Tensor:
+        """One-pass raw logits over the hot vocabulary: chain [..., N, n] -> [..., N, num_hot]."""
+        return chain @ self.hot_head.T
+
+    # -- training: all anchors of a sequence in parallel, unrolled over the chain ----------
+
+    def unrolled(
+        self,
+        hidden: torch.Tensor,  # [B, T, n] target hidden states
+        tokens: torch.Tensor,  # [B, T] int64
+        steps: int,
+    ) -> list[torch.Tensor]:  # steps x [B, T-1, n]: step i at anchor j predicts hidden[j + i]
+        """Teacher-forced context, self-fed chain: step 1 at anchor j reads fc(H_j ⊕ E(t_j+1))
+        with causal attention over the fused context; step i > 1 reads the chain's own
+        previous output and attends to the context up to j plus its anchor's earlier steps."""
+        B, T, _ = hidden.shape
+        x = self.fuse(hidden[:, :-1], tokens[:, 1:])  # [B, T-1, n]
+        n_pos = T - 1
+        positions = torch.arange(n_pos)
+        store = _TrainingKV()
+        outputs = []
+        causal = torch.ones(n_pos, n_pos, dtype=torch.bool).tril()
+        diag = torch.eye(n_pos, dtype=torch.bool)
+        for i in range(steps):
+            mask = torch.cat([causal] + [diag] * i, dim=1)  # [T-1, (i+1)(T-1)]
+            ctx = _TrainingContext(store, positions + i, mask, self.rope_cos, self.rope_sin)
+            y = self.out_norm(self.layer(x, ctx, 0))
+            outputs.append(y)
+            x = y
+        return outputs
+
+
+class _TrainingKV:
+    """Keys/values of every unrolled step, concatenated along the key axis (training only)."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def write(self, layer, slots, rows, keys, values) -> None:
+        self.keys.append(keys)
+        self.values.append(values)
+
+    def read(self, layer, slots, kv_len):
+        return torch.cat(self.keys, dim=2), torch.cat(self.values, dim=2)
+
+
+class _TrainingContext:
+    """Duck-typed stand-in for ``ForwardContext`` in the unrolled training pass."""
+
+    def __init__(self, store, positions, mask, cos_table, sin_table) -> None:
+        self.cache, self.slots, self.rows, self.kv_len = store, None, None, None
+        self.cos = cos_table[positions][None, None]  # [1, 1, q, hd]
+        self.sin = sin_table[positions][None, None]
+        self.mask = mask[None, None]  # [1, 1, q, keys]
+
+
+def draft_loss(
+    model: LyannaDraftModel,
+    hidden: torch.Tensor,  # [B, T, n] float32 target hidden states
+    tokens: torch.Tensor,  # [B, T] int64
+    loss_mask: torch.Tensor,  # [B, T] bool: tokens that count as predictions
+    alpha: float = 1.0,
+    beta: float = 0.1,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """alpha * MSE(h, H) + beta * CE(softmax(l'), softmax(L)) summed over the chain steps; CE
+    over the hot vocabulary (target renormalised on it). Metrics: top-1 / top-3 accuracy of
+    the draft against the target's hot argmax, per step."""
+    steps = model.config.chain_steps
+    T = hidden.shape[1]
+    outputs = model.unrolled(hidden, tokens, steps)
+    head = model.hot_head
+    with torch.no_grad():
+        target_logp = F.log_softmax(hidden @ head.T, dim=-1)  # [B, T, num_hot]
+    total = hidden.new_zeros(())
+    metrics: dict[str, float] = {}
+    for i, y in enumerate(outputs, start=1):
+        valid = T - 1 - i  # anchors j with j + i + 1 < T (the token to predict exists)
+        if valid <= 0:
+            break
+        pred = y[:, :valid]  # [B, valid, n]: predicts hidden[j + i]
+        target_h = hidden[:, i : i + valid]
+        parent = tokens[:, i : i + valid]  # parent token of the predicted one
+        mask = loss_mask[:, i + 1 : i + 1 + valid].float()
+        denom = mask.sum().clamp_min(1.0)
+        mse = ((pred - target_h).pow(2).mean(-1) * mask).sum() / denom
+        logits = pred @ head.T + model.token_info(parent)
+        t_logp = target_logp[:, i : i + valid]
+        ce = (-(t_logp.exp() * F.log_softmax(logits, dim=-1)).sum(-1) * mask).sum() / denom
+        total = total + alpha * mse + beta * ce
+        with torch.no_grad():
+            best = t_logp.argmax(-1, keepdim=True)
+            top3 = logits.topk(3, dim=-1).indices
+            metrics[f"mse{i}"] = float(mse.detach())
+            metrics[f"ce{i}"] = float(ce.detach())
+            metrics[f"top1_{i}"] = float(
+                ((top3[..., :1] == best).any(-1).float() * mask).sum() / denom
+            )
+            metrics[f"top3_{i}"] = float(((top3 == best).any(-1).float() * mask).sum() / denom)
+    return total, metrics

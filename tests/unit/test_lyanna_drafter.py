@@ -1,0 +1,170 @@
+"""The Lyanna drafter: chain independent of sampled tokens, collapsed token-info table, tree
+sampling by hand, re-sampling from the remaining logits, fusion within the budget, and
+temperature-0 output equal to plain decoding with fusion on and off."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lyanna.decode import generate
+from lyanna.drafters.base import DraftBudget
+from lyanna.drafters.lyanna import LyannaDrafter, ResampleConfig
+from lyanna.drafters.lyanna_model import LyannaDraftConfig, LyannaDraftModel, draft_loss
+from lyanna.drafters.token_info_tree import build_subtree, resample_subtree
+from lyanna.engine import EngineConfig, SpecEngine
+from lyanna.sampling import SamplingParams
+from lyanna.sequence import Sequence
+from tests.conftest import make_tiny_model
+
+VOCAB = 16
+
+
+def tiny_draft(target, seed: int = 0, num_hot: int = 12) -> LyannaDraftModel:
+    torch.manual_seed(seed)
+    config = LyannaDraftConfig(target.config, num_hot=num_hot, info_rank=4, chain_steps=3)
+    draft = LyannaDraftModel(config, target.embed_tokens.weight, torch.randperm(VOCAB)[:num_hot])
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return draft
+
+
+def hot_maps(num_hot: int = 4, vocab: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    hot_ids = torch.arange(num_hot)
+    hot_index = torch.full((vocab,), -1)
+    hot_index[:num_hot] = torch.arange(num_hot)
+    return hot_ids, hot_index
+
+
+def test_tree_sampling_matches_hand_worked_example() -> None:
+    """Root 5 (not hot: no token info). Step 1 probs (.6, .3, .05, .05): children 0 and 1.
+    Step 2 rows get token info: after token 0 the best are 2 (.7) and 3; after token 1 the
+    best are 3 (.8) and 2. Joint: 0->2 .42, 1->3 .24 are the kept frontier."""
+    hot_ids, hot_index = hot_maps()
+    step1 = torch.tensor([0.6, 0.3, 0.05, 0.05]).log()
+    info = torch.zeros(4, 4)
+    info[0] = torch.tensor([0.0, 0.0, 0.7, 0.2]).clamp_min(1e-9).log()
+    info[1] = torch.tensor([0.0, 0.0, 0.1, 0.8]).clamp_min(1e-9).log()
+    logits = torch.stack([step1, torch.zeros(4), torch.zeros(4)])
+    tree = build_subtree(logits[:2], 5, 2, info, hot_ids, hot_index)
+    assert tree.tokens.tolist() == [5, 0, 1, 2, 3, 3, 2]
+    assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 2, 2]
+    joint = tree.log_joint.exp()
+    assert math.isclose(joint[3], 0.6 * 0.7 / 0.9, rel_tol=1e-5)  # softmax renormalises .7/.9
+    assert math.isclose(joint[5], 0.3 * 0.8 / 0.9, rel_tol=1e-5)
+    deeper = build_subtree(logits, 5, 2, info, hot_ids, hot_index)
+    # step 3 expands only the two best depth-2 nodes (3 and 5), not 4 or 6
+    assert sorted(set(deeper.parents[7:].tolist())) == [3, 5]
+
+
+def test_resampled_subtree_uses_only_remaining_logits() -> None:
+    hot_ids, hot_index = hot_maps()
+    logits = torch.randn(5, 4)
+    sub = resample_subtree(logits, 1, 3, 1, 2, None, hot_ids, hot_index)
+    assert int(sub.tokens[0]) == 3 and sub.max_depth == 3  # rows 2, 3, 4 remain
+    expected = build_subtree(logits[2:], 3, 2, None, hot_ids, hot_index)
+    assert torch.equal(sub.tokens, expected.tokens)
+    changed = logits.clone()
+    changed[:2] = torch.randn(2, 4)  # rows already used by the accepted path do not matter
+    again = resample_subtree(changed, 1, 3, 1, 2, None, hot_ids, hot_index)
+    assert torch.equal(again.tokens, sub.tokens)
+    assert resample_subtree(logits, 3, 3, 2, 2, None, hot_ids, hot_index) is None  # 1 left < r
+
+
+def test_collapsed_table_equals_low_rank_product() -> None:
+    target = make_tiny_model(vocab_size=VOCAB)
+    draft = tiny_draft(target)
+    table = draft.collapsed_token_info(torch.float32)
+    hot = draft.hot_ids
+    product = target.embed_tokens.weight[hot] @ draft.w1 @ draft.w2
+    expected = draft.info_norm(product)
+    assert torch.allclose(table, expected, atol=1e-5)
+    cold = torch.tensor([t for t in range(VOCAB) if t not in set(hot.tolist())])
+    assert draft.token_info(cold).abs().max() == 0  # no row outside the hot set
+
+
+def engine_outputs(target, drafter, prompts, max_tokens=20):
+    engine = SpecEngine(target, drafter, EngineConfig(max_batch=2, max_len=128))
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=max_tokens)) for i, p in enumerate(prompts)]
+    for s in seqs:
+        engine.submit(s)
+    stats = engine.run()
+    return [s.output_ids for s in seqs], stats
+
+
+PROMPTS = [[1, 2, 3, 4], [7, 8, 9, 7, 8, 9, 7], [3]]
+
+
+@pytest.mark.parametrize("fusion", [True, False])
+def test_greedy_output_equals_plain_decoding(fusion: bool) -> None:
+    target = make_tiny_model(4, vocab_size=VOCAB)
+    drafter = LyannaDrafter(
+        target,
+        tiny_draft(target),
+        DraftBudget(depth=3, top_k=3, max_tokens=8),
+        ResampleConfig(enabled=True, fusion=fusion),
+        max_seqs=2,
+        max_len=128,
+    )
+    outputs, stats = engine_outputs(target, drafter, PROMPTS)
+    plain = [Sequence(i, p, SamplingParams(max_tokens=20)) for i, p in enumerate(PROMPTS)]
+    generate(target, plain)
+    assert outputs == [s.output_ids for s in plain]
+    assert stats.num_drafted > 0
+    assert drafter.cache.num_free_slots == 2  # every sequence released its draft slot
+
+
+def test_chain_does_not_depend_on_sampled_tokens() -> None:
+    """Same context, different token-info tables (so different trees): identical chains."""
+    target = make_tiny_model(5, vocab_size=VOCAB)
+    draft = tiny_draft(target, seed=1)
+    hidden = torch.randn(6, target.config.hidden_size)
+    chains, trees = [], []
+    for info_seed in (0, 1):
+        drafter = LyannaDrafter(target, draft, DraftBudget(depth=3, top_k=2, max_tokens=6))
+        drafter.info_table = (
+            torch.randn(12, 12, generator=torch.Generator().manual_seed(info_seed)) * 5
+        )
+        drafter.start(0, [1, 2, 3, 4, 5, 6], hidden, 7)
+        trees.append(drafter.propose([0])[0])
+        chains.append(drafter.seqs[0].chain_logits)
+    assert torch.equal(chains[0], chains[1])
+    assert not torch.equal(trees[0].tokens, trees[1].tokens)
+
+
+def test_fused_tree_holds_both_trees_within_budget() -> None:
+    target = make_tiny_model(6, vocab_size=VOCAB)
+    drafter = LyannaDrafter(
+        target, tiny_draft(target, 2), DraftBudget(depth=3, top_k=2, max_tokens=10)
+    )
+    hot_ids, hot_index = drafter.draft.hot_ids, drafter.draft.hot_index
+    drafter.start(0, [1, 2, 3], torch.randn(3, target.config.hidden_size), int(hot_ids[0]))
+    state = drafter.seqs[0]
+    state.resampled = build_subtree(torch.randn(2, 12) * 3, state.root, 2, None, hot_ids, hot_index)
+    fused = drafter.propose([0])[0]
+    assert fused.num_drafted <= 10
+    fused_paths = {tuple(fused.tokens[fused.path_to(i)].tolist()) for i in range(fused.num_nodes)}
+    best_resampled = state.resampled.prune(2)  # its two most likely nodes must survive
+    for i in range(best_resampled.num_nodes):
+        assert tuple(best_resampled.tokens[best_resampled.path_to(i)].tolist()) in fused_paths
+
+
+def test_draft_loss_decreases_with_training() -> None:
+    target = make_tiny_model(7, vocab_size=VOCAB)
+    draft = tiny_draft(target, 3)
+    hidden = torch.randn(2, 12, target.config.hidden_size)
+    tokens = torch.randint(0, VOCAB, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-2)
+    first = None
+    for _ in range(30):
+        loss, metrics = draft_loss(draft, hidden, tokens, mask)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        first = first if first is not None else float(loss.detach())
+    assert float(loss) < 0.7 * first
+    assert {"top1_1", "top3_3", "mse2"} <= set(metrics)
