@@ -25,7 +25,25 @@ def _ngram(model: Transformer, budget: DraftBudget) -> Drafter:
     return NgramDrafter(budget)
 
 
-DRAFTERS: Mapping[str, DrafterFactory] = MappingProxyType({"ar": _ar, "ngram": _ngram})
+def _lyanna_variant(resample_enabled: bool, fusion: bool) -> DrafterFactory:
+    def factory(model: Transformer, budget: DraftBudget) -> Drafter:
+        from lyanna.drafters.lyanna import LyannaDrafter, ResampleConfig
+
+        resample = ResampleConfig(enabled=resample_enabled, fusion=fusion)
+        return LyannaDrafter.from_checkpoint(model, budget=budget, resample=resample)
+
+    return factory
+
+
+DRAFTERS: Mapping[str, DrafterFactory] = MappingProxyType(
+    {
+        "ar": _ar,
+        "ngram": _ngram,
+        "lyanna": _lyanna_variant(resample_enabled=True, fusion=True),
+        "lyanna-unfused": _lyanna_variant(resample_enabled=True, fusion=False),
+        "lyanna-noresample": _lyanna_variant(resample_enabled=False, fusion=True),
+    }
+)
 
 
 def make_drafter(name: str, model: Transformer, budget: DraftBudget | None = None) -> Drafter:
