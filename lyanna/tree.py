@@ -1,0 +1,338 @@
+"""Token trees: the draft a verifier checks in one target forward.
+
+This module owns the `TokenTree` (one sequence's draft, stored as parent pointers as in EAGLE and
+SpecInfer), the `DraftScheme` that says how the drafter chose each node's children (the
+acceptance rule must match it: see `lyanna.verify`), the attention mask and position ids of the
+tree forward, pruning to a node budget by joint draft probability, trie-union merging
+(verification fusion), and packing a batch of trees into padded tensors for one forward.
+
+Conventions: node 0 is the root, the last committed token, whose KV is not yet in the target
+cache; `parents[0] == -1` and `parents[i] < i`. The children of a node are listed in increasing
+node index, and that order must be the order in which the drafter drew them (it matters for
+sampling without replacement). Draft row i is the distribution node i's children were drawn
+from, after the same temperature/top-p processing as the target (`lyanna.sampling`).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+class DraftScheme(enum.Enum):
+    """How a drafter chose the children of each node; it fixes which acceptance rules are
+    lossless for the tree (the pairing lives in `lyanna.verify`, never in a comment)."""
+
+    CHAIN_SAMPLED = "chain_sampled"  # one child per node, sampled from the draft row
+    IID = "iid"  # children are i.i.d. samples from the draft row (duplicates possible)
+    WITHOUT_REPLACEMENT = "without_replacement"  # distinct samples, listed in sampling order
+    TOPK = "topk"  # any candidate set fixed without the target's randomness (top-k, n-gram)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TokenTree:
+    """One sequence's draft tree (see the module docstring for the conventions).
+
+    `draft_token_probs[i]` is the drafter's probability of node i's token (1 for the root);
+    when only `draft_probs` is given it is read from the parent's row. `draft_probs` may be
+    rows over a hot vocabulary, in which case `vocab_index[j]` is the full-vocabulary id of
+    hot column j; `full_draft_probs` scatters them to full rows for the rules.
+    """
+
+    tokens: torch.Tensor  # [num_nodes] int64
+    parents: torch.Tensor  # [num_nodes] int64, parents[0] == -1
+    scheme: DraftScheme
+    draft_token_probs: torch.Tensor | None = None  # [num_nodes] float
+    draft_probs: torch.Tensor | None = None  # [num_nodes, vocab or num_hot] float
+    vocab_index: torch.Tensor | None = None  # [num_hot] int64
+    depths: torch.Tensor = field(init=False, repr=False)  # [num_nodes] int64, root 0
+    log_joint: torch.Tensor = field(init=False, repr=False)  # [num_nodes] float64, root 0
+    _ancestors: torch.Tensor = field(init=False, repr=False)  # [num_nodes, num_nodes] bool
+    _children: tuple[tuple[int, ...], ...] = field(init=False, repr=False)
+    _depth_counts: tuple[int, ...] = field(init=False, repr=False)  # nodes at depth 1, 2, ...
+
+    def __post_init__(self) -> None:
+        tokens, parents = self.tokens, self.parents
+        if tokens.dim() != 1 or tokens.dtype != torch.int64 or tokens.numel() == 0:
+            raise ValueError("tokens must be a non-empty 1-D int64 tensor")
+        if parents.shape != tokens.shape or parents.dtype != torch.int64:
+            raise ValueError("parents must be an int64 tensor shaped like tokens")
+        parent_list = parents.tolist()
+        if parent_list[0] != -1:
+            raise ValueError("node 0 is the root: parents[0] must be -1")
+        if any(not 0 <= p < i for i, p in enumerate(parent_list) if i > 0):
+            raise ValueError("parents must satisfy 0 <= parents[i] < i for every non-root node")
+        n = len(parent_list)
+        children: list[list[int]] = [[] for _ in range(n)]
+        depth = [0] * n
+        ancestors = torch.eye(n, dtype=torch.bool)
+        for i in range(1, n):
+            children[parent_list[i]].append(i)
+            depth[i] = depth[parent_list[i]] + 1
+            ancestors[i] |= ancestors[parent_list[i]]
+        if self.scheme is DraftScheme.CHAIN_SAMPLED and any(len(c) > 1 for c in children):
+            raise ValueError("a CHAIN_SAMPLED tree must be a chain (one child per node)")
+        self._check_draft_fields(n)
+        if self.draft_token_probs is None and self.draft_probs is not None:
+            object.__setattr__(self, "draft_token_probs", self._token_probs_from_rows())
+        log_joint = [0.0] * n
+        if self.draft_token_probs is not None:
+            log_q = self.draft_token_probs.double().clamp(0.0, 1.0).log().tolist()
+            for i in range(1, n):
+                log_joint[i] = log_joint[parent_list[i]] + log_q[i]
+        counts = [0] * (max(depth) + 1)
+        for d in depth:
+            counts[d] += 1
+        object.__setattr__(self, "depths", torch.tensor(depth, dtype=torch.int64))
+        object.__setattr__(self, "log_joint", torch.tensor(log_joint, dtype=torch.float64))
+        object.__setattr__(self, "_ancestors", ancestors)
+        object.__setattr__(self, "_children", tuple(tuple(c) for c in children))
+        object.__setattr__(self, "_depth_counts", tuple(counts[1:]))
+
+    def _check_draft_fields(self, n: int) -> None:
+        if self.draft_token_probs is not None and self.draft_token_probs.shape != (n,):
+            raise ValueError(f"draft_token_probs must have shape [{n}]")
+        if self.draft_probs is not None and (
+            self.draft_probs.dim() != 2 or self.draft_probs.shape[0] != n
+        ):
+            raise ValueError(f"draft_probs must have shape [{n}, vocab]")
+        if self.vocab_index is not None:
+            if self.draft_probs is None or self.vocab_index.shape != self.draft_probs.shape[1:]:
+                raise ValueError("vocab_index needs draft_probs with one column per hot token")
+            if self.vocab_index.dtype != torch.int64:
+                raise ValueError("vocab_index must be int64")
+
+    def _token_probs_from_rows(self) -> torch.Tensor:  # [num_nodes]
+        rows = self.draft_probs[self.parents[1:]]  # [num_nodes - 1, num_cols]
+        if self.vocab_index is None:
+            picked = rows.gather(1, self.tokens[1:, None]).squeeze(1)
+        else:
+            hit = self.vocab_index[None, :] == self.tokens[1:, None]
+            picked = (rows * hit).sum(dim=1)
+        return torch.cat([torch.ones(1, dtype=rows.dtype), picked])
+
+    # -- constructors --------------------------------------------------------------------
+
+    @classmethod
+    def from_parents(
+        cls,
+        tokens: Sequence[int] | torch.Tensor,  # [num_nodes]
+        parents: Sequence[int] | torch.Tensor,  # [num_nodes]
+        *,
+        scheme: DraftScheme,
+        draft_token_probs: torch.Tensor | None = None,  # [num_nodes]
+        draft_probs: torch.Tensor | None = None,  # [num_nodes, vocab or num_hot]
+        vocab_index: torch.Tensor | None = None,  # [num_hot] int64
+    ) -> TokenTree:
+        return cls(
+            tokens=torch.as_tensor(tokens, dtype=torch.int64),
+            parents=torch.as_tensor(parents, dtype=torch.int64),
+            scheme=scheme,
+            draft_token_probs=draft_token_probs,
+            draft_probs=draft_probs,
+            vocab_index=vocab_index,
+        )
+
+    @classmethod
+    def chain(
+        cls,
+        root_token: int,
+        draft_tokens: Sequence[int] | torch.Tensor,  # [num_drafted]
+        *,
+        scheme: DraftScheme = DraftScheme.CHAIN_SAMPLED,
+        draft_token_probs: torch.Tensor | None = None,  # [num_drafted (+ 1)]
+        draft_probs: torch.Tensor | None = None,  # [num_drafted (+ 1), vocab or num_hot]
+        vocab_index: torch.Tensor | None = None,  # [num_hot] int64
+    ) -> TokenTree:
+        """A chain root -> x_1 -> ... -> x_g. Row i of `draft_probs` is the distribution
+        x_{i+1} was drawn from; g rows are enough (a zero row is added for the leaf).
+        `draft_token_probs` may likewise omit the root's entry."""
+        draft = torch.as_tensor(draft_tokens, dtype=torch.int64).reshape(-1)
+        tokens = torch.cat([torch.tensor([root_token], dtype=torch.int64), draft])
+        g = draft.numel()
+        if draft_probs is not None and draft_probs.dim() == 2 and draft_probs.shape[0] == g:
+            draft_probs = torch.cat([draft_probs, draft_probs.new_zeros(1, draft_probs.shape[1])])
+        if draft_token_probs is not None and draft_token_probs.shape == (g,):
+            draft_token_probs = torch.cat([draft_token_probs.new_ones(1), draft_token_probs])
+        return cls(
+            tokens=tokens,
+            parents=torch.arange(-1, draft.numel(), dtype=torch.int64),
+            scheme=scheme,
+            draft_token_probs=draft_token_probs,
+            draft_probs=draft_probs,
+            vocab_index=vocab_index,
+        )
+
+    @classmethod
+    def root_only(cls, root_token: int) -> TokenTree:
+        """No draft: verifying it is one step of plain autoregressive decoding."""
+        return cls.chain(root_token, [], scheme=DraftScheme.TOPK)
+
+    # -- structure -----------------------------------------------------------------------
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_drafted(self) -> int:
+        return self.tokens.shape[0] - 1
+
+    @property
+    def max_depth(self) -> int:
+        return len(self._depth_counts)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(len(c) <= 1 for c in self._children)
+
+    @property
+    def joint_probs(self) -> torch.Tensor:  # [num_nodes] float64 (may underflow to 0)
+        return self.log_joint.exp()
+
+    def children(self, node: int) -> tuple[int, ...]:
+        """Child node indices in sampling order."""
+        return self._children[node]
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root (inclusive) to `node` (inclusive)."""
+        return self._ancestors[node].nonzero().squeeze(1).tolist()
+
+    def num_drafted_per_depth(self) -> list[int]:
+        """Number of draft nodes at depth 1, 2, ..., max_depth."""
+        return list(self._depth_counts)
+
+    def attention_mask(self) -> torch.Tensor:  # [num_nodes, num_nodes] bool
+        """mask[i, j] is True iff j is an ancestor of i or j == i."""
+        return self._ancestors.clone()
+
+    def positions(self, offset: int) -> torch.Tensor:  # [num_nodes] int64
+        """Position ids of the tree forward: the root sits at `offset`."""
+        return self.depths + offset
+
+    def full_draft_probs(self, vocab_size: int) -> torch.Tensor:  # [num_nodes, vocab]
+        """Draft rows over the full vocabulary (hot rows scattered, other tokens 0)."""
+        if self.draft_probs is None:
+            raise ValueError("this tree carries no draft distributions")
+        if self.vocab_index is None:
+            if self.draft_probs.shape[1] != vocab_size:
+                raise ValueError(
+                    f"draft rows have {self.draft_probs.shape[1]} columns, expected {vocab_size}"
+                )
+            return self.draft_probs
+        full = self.draft_probs.new_zeros(self.num_nodes, vocab_size)
+        return full.index_copy_(1, self.vocab_index, self.draft_probs)
+
+    # -- transformations -----------------------------------------------------------------
+
+    def prune(self, budget: int) -> TokenTree:
+        """Keep at most `budget` draft nodes with the highest joint draft probability (ties:
+        lower index first). A child never beats its parent, so the kept set is closed under
+        ancestors. Pruning a non-chain tree selects candidates by their probabilities, so the
+        children are no longer i.i.d. or without-replacement samples: the result is TOPK."""
+        if budget < 0:
+            raise ValueError("budget must be >= 0")
+        if budget >= self.num_drafted:
+            return self
+        order = sorted(range(1, self.num_nodes), key=lambda i: (-float(self.log_joint[i]), i))
+        kept = {0}
+        parent_list = self.parents.tolist()
+        for node in order:
+            if len(kept) > budget:
+                break
+            if parent_list[node] in kept:
+                kept.add(node)
+        keep = torch.tensor(sorted(kept), dtype=torch.int64)
+        scheme = self.scheme if self.is_chain else DraftScheme.TOPK
+        return self._select(keep, scheme)
+
+    def _select(self, keep: torch.Tensor, scheme: DraftScheme) -> TokenTree:
+        remap = torch.full((self.num_nodes,), -1, dtype=torch.int64)
+        remap[keep] = torch.arange(keep.numel())
+        parents = self.parents[keep]
+        parents = torch.where(parents >= 0, remap[parents.clamp(min=0)], parents)
+
+        def pick(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x[keep]
+
+        return TokenTree(
+            tokens=self.tokens[keep],
+            parents=parents,
+            scheme=scheme,
+            draft_token_probs=pick(self.draft_token_probs),
+            draft_probs=pick(self.draft_probs),
+            vocab_index=self.vocab_index,
+        )
+
+    def merge(self, other: TokenTree) -> TokenTree:
+        """Trie union of two trees with the same root token: nodes with the same token under
+        the same (merged) parent become one, including duplicate siblings inside either tree.
+        Node order: this tree's nodes first, then the new ones from `other`. A shared node
+        keeps the larger draft token probability (known only if both trees have them). The
+        union is a deterministic candidate set (TOPK) and carries no draft rows."""
+        if int(self.tokens[0]) != int(other.tokens[0]):
+            raise ValueError("merge needs trees with the same root token")
+        index: dict[tuple[int, int], int] = {}
+        tokens, parents, probs = [int(self.tokens[0])], [-1], [1.0]
+        have_probs = self.draft_token_probs is not None and other.draft_token_probs is not None
+        for tree in (self, other):
+            tree_probs = tree.draft_token_probs.tolist() if have_probs else None
+            new_index = [0] * tree.num_nodes
+            for i in range(1, tree.num_nodes):
+                key = (new_index[int(tree.parents[i])], int(tree.tokens[i]))
+                if key not in index:
+                    index[key] = len(tokens)
+                    tokens.append(key[1])
+                    parents.append(key[0])
+                    probs.append(0.0)
+                new_index[i] = index[key]
+                if tree_probs is not None:
+                    probs[new_index[i]] = max(probs[new_index[i]], tree_probs[i])
+        return TokenTree.from_parents(
+            tokens,
+            parents,
+            scheme=DraftScheme.TOPK,
+            draft_token_probs=torch.tensor(probs, dtype=torch.float64) if have_probs else None,
+        )
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PackedTrees:
+    """A batch of trees padded to one tree-forward. Padding nodes get token `pad_token`, the
+    sequence's offset as position, and attend only to themselves."""
+
+    tokens: torch.Tensor  # [batch, max_nodes] int64
+    positions: torch.Tensor  # [batch, max_nodes] int64
+    mask: torch.Tensor  # [batch, max_nodes, max_nodes] bool
+    num_nodes: torch.Tensor  # [batch] int64
+
+    def unpack(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """Split per-node outputs `rows` [batch, max_nodes, ...] into one [n_b, ...] each."""
+        return [rows[b, :n] for b, n in enumerate(self.num_nodes.tolist())]
+
+
+def pack_trees(
+    trees: Sequence[TokenTree],
+    offsets: Sequence[int] | torch.Tensor,  # [batch] position of each root
+    pad_token: int = 0,
+) -> PackedTrees:
+    """Pad a batch of trees of different sizes into the tensors of one verification forward."""
+    if len(trees) != len(offsets):
+        raise ValueError("one offset per tree is required")
+    if not trees:
+        raise ValueError("cannot pack an empty batch")
+    offsets = torch.as_tensor(offsets, dtype=torch.int64)
+    batch, width = len(trees), max(t.num_nodes for t in trees)
+    tokens = torch.full((batch, width), pad_token, dtype=torch.int64)
+    positions = offsets[:, None].repeat(1, width)
+    mask = torch.eye(width, dtype=torch.bool).repeat(batch, 1, 1)
+    for b, tree in enumerate(trees):
+        n = tree.num_nodes
+        tokens[b, :n] = tree.tokens
+        positions[b, :n] += tree.depths
+        mask[b, :n, :n] = tree._ancestors
+    num_nodes = torch.tensor([t.num_nodes for t in trees], dtype=torch.int64)
+    return PackedTrees(tokens=tokens, positions=positions, mask=mask, num_nodes=num_nodes)
