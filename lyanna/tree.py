@@ -249,13 +249,19 @@ class TokenTree:
         scheme = self.scheme if self.is_chain else DraftScheme.TOPK
         return self._select(keep, scheme)
 
-    def _select(self, keep: torch.Tensor, scheme: DraftScheme) -> TokenTree:
+    def _select(
+        self,
+        keep: torch.Tensor,  # [num_kept] int64, ascending node indices
+        scheme: DraftScheme,
+    ) -> TokenTree:
         remap = torch.full((self.num_nodes,), -1, dtype=torch.int64)
         remap[keep] = torch.arange(keep.numel())
         parents = self.parents[keep]
         parents = torch.where(parents >= 0, remap[parents.clamp(min=0)], parents)
 
-        def pick(x: torch.Tensor | None) -> torch.Tensor | None:
+        def pick(
+            x: torch.Tensor | None,  # [num_nodes, ...]
+        ) -> torch.Tensor | None:
             return None if x is None else x[keep]
 
         return TokenTree(
@@ -309,7 +315,10 @@ class PackedTrees:
     mask: torch.Tensor  # [batch, max_nodes, max_nodes] bool
     num_nodes: torch.Tensor  # [batch] int64
 
-    def unpack(self, rows: torch.Tensor) -> list[torch.Tensor]:
+    def unpack(
+        self,
+        rows: torch.Tensor,  # [batch, max_nodes, ...]
+    ) -> list[torch.Tensor]:
         """Split per-node outputs `rows` [batch, max_nodes, ...] into one [n_b, ...] each."""
         return [rows[b, :n] for b, n in enumerate(self.num_nodes.tolist())]
 

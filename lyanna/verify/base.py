@@ -132,14 +132,17 @@ class RuleBase:
     def _verify_batch(
         self,
         trees: Sequence[TokenTree],
-        target_probs: Sequence[torch.Tensor],
+        target_probs: Sequence[torch.Tensor],  # each [num_nodes_b, vocab]
         generator: torch.Generator | None,
     ) -> list[Verdict]:
         """Checked inputs; rules with a vectorized batch path override this."""
         return [self._verify(t, p, generator) for t, p in zip(trees, target_probs, strict=True)]
 
     def _verify(
-        self, tree: TokenTree, target_probs: torch.Tensor, generator: torch.Generator | None
+        self,
+        tree: TokenTree,
+        target_probs: torch.Tensor,  # [num_nodes, vocab]
+        generator: torch.Generator | None,
     ) -> Verdict:
         raise NotImplementedError
 
@@ -151,14 +154,26 @@ class RuleBase:
         self.check(tree, target_probs)
         return self._branches(tree, target_probs)
 
-    def _branches(self, tree: TokenTree, target_probs: torch.Tensor) -> list[Branch]:
+    def _branches(
+        self,
+        tree: TokenTree,
+        target_probs: torch.Tensor,  # [num_nodes, vocab]
+    ) -> list[Branch]:
         raise NotImplementedError
 
-    def expected_accepted(self, tree: TokenTree, target_probs: torch.Tensor) -> float:
+    def expected_accepted(
+        self,
+        tree: TokenTree,
+        target_probs: torch.Tensor,  # [num_nodes, vocab]
+    ) -> float:
         """E[num_accepted] for this tree, from the exact law."""
         return sum(b.probability * (len(b.path) - 1) for b in self.branches(tree, target_probs))
 
-    def check(self, tree: TokenTree, target_probs: torch.Tensor) -> None:
+    def check(
+        self,
+        tree: TokenTree,
+        target_probs: torch.Tensor,  # [num_nodes, vocab]
+    ) -> None:
         """Raise unless this rule may verify `tree` losslessly with these inputs."""
         if target_probs.dim() != 2 or target_probs.shape[0] != tree.num_nodes:
             raise ValueError(
@@ -179,7 +194,10 @@ class RuleBase:
             raise ValueError(f"rule '{self.name}' needs the tree's draft_probs rows")
 
 
-def draft_rows(tree: TokenTree, target_probs: torch.Tensor) -> torch.Tensor:
+def draft_rows(
+    tree: TokenTree,
+    target_probs: torch.Tensor,  # [num_nodes, vocab]
+) -> torch.Tensor:
     """The tree's draft rows over the full vocabulary, in the target's dtype."""
     vocab = target_probs.shape[-1]
     return tree.full_draft_probs(vocab).to(target_probs.dtype)  # [num_nodes, vocab]

@@ -94,7 +94,7 @@ class _BlockFamily(RuleBase):
     def _verify_batch(
         self,
         trees: Sequence[TokenTree],
-        target_probs: Sequence[torch.Tensor],
+        target_probs: Sequence[torch.Tensor],  # each [num_nodes_b, vocab]
         generator: torch.Generator | None,
     ) -> list[Verdict]:
         verdicts: list[Verdict | None] = [None] * len(trees)
@@ -115,7 +115,11 @@ class _BlockFamily(RuleBase):
                 verdicts[i] = make_verdict(trees[i], range(tau + 1), tokens[row], fallback[row])
         return verdicts
 
-    def _branches(self, tree: TokenTree, target_probs: torch.Tensor) -> list[Branch]:
+    def _branches(
+        self,
+        tree: TokenTree,
+        target_probs: torch.Tensor,  # [num_nodes, vocab]
+    ) -> list[Branch]:
         (group,) = group_chains([tree], [target_probs])
         h, weights = self._acceptance(group)
         g = group.length
@@ -145,12 +149,20 @@ class BlockVerification(_BlockFamily):
 
     name = "block"
 
-    def _branch_h(self, weighted: torch.Tensor, one_minus_w: torch.Tensor) -> torch.Tensor:
+    def _branch_h(
+        self,
+        weighted: torch.Tensor,  # [batch, g, vocab] w_t p_{t+1} - q_{t+1}; may be overwritten
+        one_minus_w: torch.Tensor,  # [batch, g] float64
+    ) -> torch.Tensor:
         total = weighted.clamp_min_(0.0).sum(dim=-1).double()  # S_t
         denominator = total + one_minus_w  # S + (1 - w), never (S + 1) - w (§7.4)
         return torch.where(denominator > 0, total / denominator.clamp_min(1e-300), 0.0)
 
-    def _full_draft_h(self, log_ratio: torch.Tensor, log_max: torch.Tensor) -> torch.Tensor:
+    def _full_draft_h(
+        self,
+        log_ratio: torch.Tensor,  # [batch, g + 1] float64
+        log_max: torch.Tensor,  # [batch, g + 1] float64
+    ) -> torch.Tensor:
         return (log_ratio[:, -1] - log_max[:, -1]).exp()  # w_g
 
 
@@ -164,13 +176,21 @@ class HSD(_BlockFamily):
 
     name = "hsd"
 
-    def _branch_h(self, weighted: torch.Tensor, one_minus_w: torch.Tensor) -> torch.Tensor:
+    def _branch_h(
+        self,
+        weighted: torch.Tensor,  # [batch, g, vocab] w_t p_{t+1} - q_{t+1}; may be overwritten
+        one_minus_w: torch.Tensor,  # [batch, g] float64
+    ) -> torch.Tensor:
         excess = weighted.clamp_min(0.0).sum(dim=-1).double()  # D*(p, q) / q(X_1:t)
         deficit = weighted.neg_().clamp_min_(0.0).sum(dim=-1).double()  # D*(q, p) / q(X_1:t)
         larger = torch.maximum(excess, deficit)
         return torch.where(larger > 0, excess / larger.clamp_min(1e-300), 0.0)
 
-    def _full_draft_h(self, log_ratio: torch.Tensor, log_max: torch.Tensor) -> torch.Tensor:
+    def _full_draft_h(
+        self,
+        log_ratio: torch.Tensor,  # [batch, g + 1] float64
+        log_max: torch.Tensor,  # [batch, g + 1] float64
+    ) -> torch.Tensor:
         return (log_ratio[:, -1] - log_max[:, -2]).exp().clamp_max(1.0)  # max excludes g
 
 
@@ -184,5 +204,9 @@ class LossyUncappedHSD(HSD):
 
     name = "lossy_uncapped_hsd"
 
-    def _full_draft_h(self, log_ratio: torch.Tensor, log_max: torch.Tensor) -> torch.Tensor:
+    def _full_draft_h(
+        self,
+        log_ratio: torch.Tensor,  # [batch, g + 1] float64
+        log_max: torch.Tensor,  # [batch, g + 1] float64
+    ) -> torch.Tensor:
         return log_ratio[:, -1].exp().clamp_max(1.0)

@@ -62,11 +62,13 @@ def group_chains(
 
 def _stack(
     trees: Sequence[TokenTree],
-    target_probs: Sequence[torch.Tensor],
+    target_probs: Sequence[torch.Tensor],  # each [num_nodes_b, vocab]
     indices: list[int],
     g: int,
 ) -> ChainGroup:
-    def gather(tensors: list[torch.Tensor]) -> torch.Tensor:
+    def gather(
+        tensors: list[torch.Tensor],  # each [rows, vocab]
+    ) -> torch.Tensor:
         return tensors[0][None] if len(tensors) == 1 else torch.stack(tensors)  # view if alone
 
     targets = gather([target_probs[i] for i in indices])

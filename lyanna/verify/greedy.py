@@ -34,7 +34,7 @@ class Greedy(RuleBase):
     def _verify_batch(
         self,
         trees: Sequence[TokenTree],
-        target_probs: Sequence[torch.Tensor],
+        target_probs: Sequence[torch.Tensor],  # each [num_nodes_b, vocab]
         generator: torch.Generator | None = None,
     ) -> list[Verdict]:
         best_per_tree = [probs.argmax(dim=-1) for probs in target_probs]  # no copy of the rows
@@ -57,7 +57,11 @@ class Greedy(RuleBase):
             for b, (tree, end) in enumerate(zip(trees, ends, strict=True))
         ]
 
-    def _branches(self, tree: TokenTree, target_probs: torch.Tensor) -> list[Branch]:
+    def _branches(
+        self,
+        tree: TokenTree,
+        target_probs: torch.Tensor,  # [num_nodes, vocab]
+    ) -> list[Branch]:
         verdict = self._verify_batch([tree], [target_probs])[0]
         one_hot = torch.zeros(target_probs.shape[-1], dtype=target_probs.dtype)
         one_hot[verdict.tokens[-1]] = 1.0

@@ -42,7 +42,7 @@ class TokenWise(RuleBase):
     def _verify_batch(
         self,
         trees: Sequence[TokenTree],
-        target_probs: Sequence[torch.Tensor],
+        target_probs: Sequence[torch.Tensor],  # each [num_nodes_b, vocab]
         generator: torch.Generator | None,
     ) -> list[Verdict]:
         verdicts: list[Verdict | None] = [None] * len(trees)
@@ -66,7 +66,11 @@ class TokenWise(RuleBase):
         accepted = accept_test(*group.token_masses(), generator)  # [batch, g]
         return accepted.long().cumprod(dim=1).sum(dim=1)  # first rejection index
 
-    def _branches(self, tree: TokenTree, target_probs: torch.Tensor) -> list[Branch]:
+    def _branches(
+        self,
+        tree: TokenTree,
+        target_probs: torch.Tensor,  # [num_nodes, vocab]
+    ) -> list[Branch]:
         (group,) = group_chains([tree], [target_probs])
         g = group.length
         accept = [] if g == 0 else accept_probability(*group.token_masses())[0].tolist()

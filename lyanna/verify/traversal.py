@@ -115,7 +115,10 @@ class TraversalVerification(RuleBase):
             refresh(parent)
 
     def _verify(
-        self, tree: TokenTree, target_probs: torch.Tensor, generator: torch.Generator | None
+        self,
+        tree: TokenTree,
+        target_probs: torch.Tensor,  # [num_nodes, vocab]
+        generator: torch.Generator | None,
     ) -> Verdict:
         for test in self.tests(tree, target_probs):
             u = float(torch.rand(1, generator=generator, dtype=torch.float64))
@@ -124,7 +127,11 @@ class TraversalVerification(RuleBase):
                 return make_verdict(tree, test.path, token, test.fallback)
         raise AssertionError("the root test always succeeds")
 
-    def _branches(self, tree: TokenTree, target_probs: torch.Tensor) -> list[Branch]:
+    def _branches(
+        self,
+        tree: TokenTree,
+        target_probs: torch.Tensor,  # [num_nodes, vocab]
+    ) -> list[Branch]:
         branches, survive = [], 1.0
         for test in self.tests(tree, target_probs):
             branches.append(

@@ -60,25 +60,42 @@ class _TopDownRule(RuleBase):
     """The shared skeleton of §3.1; subclasses define the trial row and its update."""
 
     def _trial_row(
-        self, draft_row: torch.Tensor | None, token: int, target_row: torch.Tensor
+        self,
+        draft_row: torch.Tensor | None,  # [vocab] q' (None if the rule needs no draft rows)
+        token: int,
+        target_row: torch.Tensor,  # [vocab] p'
     ) -> torch.Tensor:  # [vocab] q_k
         raise NotImplementedError
 
-    def _after_rejection(self, draft_row: torch.Tensor | None, token: int) -> torch.Tensor | None:
+    def _after_rejection(
+        self,
+        draft_row: torch.Tensor | None,  # [vocab] q' (None if the rule needs no draft rows)
+        token: int,
+    ) -> torch.Tensor | None:
         return draft_row
 
-    def _drafts(self, tree: TokenTree, target_probs: torch.Tensor) -> torch.Tensor | None:
+    def _drafts(
+        self,
+        tree: TokenTree,
+        target_probs: torch.Tensor,  # [num_nodes, vocab]
+    ) -> torch.Tensor | None:
         if not self.needs_draft_probs or tree.num_drafted == 0:
             return None
         return draft_rows(tree, target_probs)  # [num_nodes, vocab]
 
     def _trials(
-        self, target_probs: torch.Tensor, drafts: torch.Tensor | None, node: int
+        self,
+        target_probs: torch.Tensor,  # [num_nodes, vocab]
+        drafts: torch.Tensor | None,  # [num_nodes, vocab] or None
+        node: int,
     ) -> SiblingTrials:
         return SiblingTrials(self, target_probs[node], None if drafts is None else drafts[node])
 
     def _verify(
-        self, tree: TokenTree, target_probs: torch.Tensor, generator: torch.Generator | None
+        self,
+        tree: TokenTree,
+        target_probs: torch.Tensor,  # [num_nodes, vocab]
+        generator: torch.Generator | None,
     ) -> Verdict:
         drafts = self._drafts(tree, target_probs)
         tokens = tree.tokens.tolist()
@@ -98,7 +115,11 @@ class _TopDownRule(RuleBase):
             path.append(node)
         return make_verdict(tree, path, draw(target_probs[node], generator), fallback)
 
-    def _branches(self, tree: TokenTree, target_probs: torch.Tensor) -> list[Branch]:
+    def _branches(
+        self,
+        tree: TokenTree,
+        target_probs: torch.Tensor,  # [num_nodes, vocab]
+    ) -> list[Branch]:
         drafts = self._drafts(tree, target_probs)
         tokens = tree.tokens.tolist()
         branches: list[Branch] = []
@@ -134,7 +155,10 @@ class SpecInferMultiStep(_TopDownRule):
     schemes = frozenset({DraftScheme.IID, DraftScheme.CHAIN_SAMPLED})
 
     def _trial_row(
-        self, draft_row: torch.Tensor | None, token: int, target_row: torch.Tensor
+        self,
+        draft_row: torch.Tensor | None,  # [vocab] q' (None if the rule needs no draft rows)
+        token: int,
+        target_row: torch.Tensor,  # [vocab] p'
     ) -> torch.Tensor:
         return draft_row
 
@@ -153,11 +177,18 @@ class RecursiveRejectionWithoutReplacement(_TopDownRule):
     schemes = frozenset({DraftScheme.WITHOUT_REPLACEMENT, DraftScheme.CHAIN_SAMPLED})
 
     def _trial_row(
-        self, draft_row: torch.Tensor | None, token: int, target_row: torch.Tensor
+        self,
+        draft_row: torch.Tensor | None,  # [vocab] q' (None if the rule needs no draft rows)
+        token: int,
+        target_row: torch.Tensor,  # [vocab] p'
     ) -> torch.Tensor:
         return draft_row
 
-    def _after_rejection(self, draft_row: torch.Tensor | None, token: int) -> torch.Tensor:
+    def _after_rejection(
+        self,
+        draft_row: torch.Tensor | None,  # [vocab] q' (None if the rule needs no draft rows)
+        token: int,
+    ) -> torch.Tensor:
         remaining = draft_row.clone()
         remaining[token] = 0.0
         total = remaining.sum()
@@ -179,7 +210,10 @@ class DeterministicCandidates(_TopDownRule):
     schemes = frozenset(DraftScheme)
 
     def _trial_row(
-        self, draft_row: torch.Tensor | None, token: int, target_row: torch.Tensor
+        self,
+        draft_row: torch.Tensor | None,  # [vocab] q' (None if the rule needs no draft rows)
+        token: int,
+        target_row: torch.Tensor,  # [vocab] p'
     ) -> torch.Tensor:
         one_hot = torch.zeros_like(target_row)
         one_hot[token] = 1.0
