@@ -25,6 +25,12 @@ def _ngram(model: Transformer, budget: DraftBudget) -> Drafter:
     return NgramDrafter(budget)
 
 
+def _eagle(model: Transformer, budget: DraftBudget) -> Drafter:
+    from lyanna.drafters.eagle import EagleDrafter
+
+    return EagleDrafter(model, budget=budget)
+
+
 def _lyanna_variant(resample_enabled: bool, fusion: bool) -> DrafterFactory:
     def factory(model: Transformer, budget: DraftBudget) -> Drafter:
         from lyanna.drafters.lyanna import LyannaDrafter, ResampleConfig
@@ -39,6 +45,7 @@ DRAFTERS: Mapping[str, DrafterFactory] = MappingProxyType(
     {
         "ar": _ar,
         "ngram": _ngram,
+        "eagle": _eagle,
         "lyanna": _lyanna_variant(resample_enabled=True, fusion=True),
         "lyanna-unfused": _lyanna_variant(resample_enabled=True, fusion=False),
         "lyanna-noresample": _lyanna_variant(resample_enabled=False, fusion=True),

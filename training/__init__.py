@@ -1,0 +1,1 @@
+"""Drafter training: data preparation, models and the shared training loop."""

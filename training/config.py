@@ -1,0 +1,81 @@
+"""``TrainConfig``: every knob of ``training.train`` in one frozen dataclass, with argparse
+overrides (``--lr 3e-4``, ``--data mix-v1,self-v2``) generated from its fields."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from lyanna.model.default import cache_root
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    model: str = "eagle"  # key of training.models.MODELS
+    data: str = "eagle-mix-v1"  # comma-separated run names under $LYANNA_CACHE/data
+    run_name: str = "eagle-v1"  # work dir $LYANNA_CACHE/train/<run_name> (resume state)
+    export_dir: str = ""  # where the final inference checkpoint goes ("" = work dir/export)
+    # optimisation
+    max_steps: int = 1000
+    batch_tokens: int = 4096  # padded tokens per batch (sequences bucketed by length)
+    max_seq_len: int = 512  # longer sequences are cut
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1  # linear decay from lr to lr * min_lr_ratio
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 0.5
+    # loss
+    unroll_steps: int = 3  # training-time test: steps fed the drafter's own predictions
+    regression_weight: float = 1.0  # smooth-L1 on the next hidden state
+    ce_weight: float = 0.2  # cross-entropy against the target's (hot-vocab) distribution
+    prompt_weight: float = 0.25  # loss weight of prompt positions (answer positions: 1)
+    hot_vocab_size: int = 8192
+    # bookkeeping
+    val_sequences: int = 64  # held-out sequences (the last ones of the data)
+    log_every: int = 10
+    eval_every: int = 200
+    ckpt_every: int = 100
+    max_minutes: float = 0.0  # stop early (checkpointed) after this long; 0 = no limit
+    seed: int = 0
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.unroll_steps < 1:
+            raise ValueError("unroll_steps must be >= 1")
+        if self.max_steps < 1 or self.batch_tokens < self.max_seq_len:
+            raise ValueError("need max_steps >= 1 and batch_tokens >= max_seq_len")
+        if not 0.0 <= self.min_lr_ratio <= 1.0 or self.lr <= 0.0:
+            raise ValueError("need lr > 0 and min_lr_ratio in [0, 1]")
+        if self.regression_weight < 0 or self.ce_weight < 0 or self.prompt_weight < 0:
+            raise ValueError("loss weights must be >= 0")
+
+    @property
+    def data_dirs(self) -> list[Path]:
+        return [cache_root() / "data" / name for name in self.data.split(",") if name]
+
+    @property
+    def work_dir(self) -> Path:
+        return cache_root() / "train" / self.run_name
+
+    def lr_at(self, step: int) -> float:
+        """Linear warmup, then linear decay to ``lr * min_lr_ratio`` at ``max_steps``."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        progress = (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps)
+        return self.lr * (1.0 - (1.0 - self.min_lr_ratio) * min(1.0, progress))
+
+
+def parse_overrides(argv: list[str] | None = None) -> TrainConfig:
+    parser = argparse.ArgumentParser(description="Train a draft model (see training/README.md)")
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(f.default, tuple):
+            parser.add_argument(flag, type=float, nargs=len(f.default), default=f.default)
+        else:
+            parser.add_argument(flag, type=type(f.default), default=f.default)
+    values = vars(parser.parse_args(argv))
+    values["betas"] = tuple(values["betas"])
+    return TrainConfig(**values)

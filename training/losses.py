@@ -1,0 +1,96 @@
+"""What every trainable draft model shares: the frozen target pieces (embedding, hot-vocabulary
+LM head), the padded ``TrainBatch`` and the composite EAGLE loss of one unrolled step:
+``regression_weight`` x smooth-L1 between the predicted and the target's next hidden state +
+``ce_weight`` x cross-entropy of the draft's hot-vocabulary distribution against the target's
+(softmax of the target's logits from the dumped hidden state through the frozen LM head,
+restricted to the hot vocabulary), with top-1/top-3 agreement metrics on answer positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from training.config import TrainConfig
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class FrozenTarget:
+    """The target pieces a drafter shares and never trains."""
+
+    embedding: torch.Tensor  # [vocab, d] float32 (tied: also the LM head)
+    hot_vocab: torch.Tensor  # [num_hot] int64 token id of each hot LM-head row
+    hot_head: torch.Tensor  # [num_hot, d] float32 LM-head rows of the hot tokens
+
+    @classmethod
+    def from_embedding(cls, embedding: torch.Tensor, hot_vocab: torch.Tensor) -> FrozenTarget:
+        embedding = embedding.detach().float()
+        return cls(embedding, hot_vocab, embedding[hot_vocab].contiguous())
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TrainBatch:
+    """Right-padded sequences of one shard format (``training.data``)."""
+
+    tokens: torch.Tensor  # [B, T] int64
+    hidden: torch.Tensor  # [B, T, d] float32 target final hidden state at each token
+    weight: torch.Tensor  # [B, T] float32 loss weight of each position (0 = padding)
+    answer: torch.Tensor  # [B, T] bool answer positions (accuracy metrics)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TargetRows:
+    """Per-position targets shared by every unrolled step."""
+
+    hidden: torch.Tensor  # [B, T-1, d] next hidden state h_{i+1}
+    log_probs: torch.Tensor  # [B, T-1, num_hot] target log-distribution over the hot vocab
+    argmax: torch.Tensor  # [B, T-1] int64 hot index of the target's most likely token
+    weight: torch.Tensor  # [B, T-1] loss weight
+    answer: torch.Tensor  # [B, T-1] bool
+
+
+def target_rows(batch: TrainBatch, hot_head: torch.Tensor) -> TargetRows:
+    """Targets of position i: the state h_{i+1} and the target's distribution it gives."""
+    with torch.no_grad():
+        nxt = batch.hidden[:, 1:]
+        logits = nxt @ hot_head.T
+        return TargetRows(
+            hidden=nxt,
+            log_probs=logits.log_softmax(-1),
+            argmax=logits.argmax(-1),
+            weight=batch.weight[:, 1:],
+            answer=batch.answer[:, 1:],
+        )
+
+
+def composite_loss(
+    predicted: torch.Tensor,  # [B, T-1, d] predicted next hidden states
+    targets: TargetRows,
+    valid: torch.Tensor,  # [B, T-1] bool positions this step trains on
+    hot_head: torch.Tensor,  # [num_hot, d]
+    config: TrainConfig,
+    prefix: str,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """EAGLE's regression + distribution loss of one unrolled step, with accuracy metrics."""
+    weight = targets.weight * valid
+    denom = weight.sum().clamp(min=1e-6)
+    regression = F.smooth_l1_loss(predicted, targets.hidden, reduction="none").mean(-1)
+    log_draft = (predicted @ hot_head.T).log_softmax(-1)
+    ce = -(targets.log_probs.exp() * log_draft).sum(-1)
+    weighted = config.regression_weight * regression + config.ce_weight * ce
+    loss = (weighted * weight).sum() / denom
+    with torch.no_grad():
+        answer = (targets.answer & valid).float()
+        n = answer.sum().clamp(min=1.0)
+        top3 = log_draft.topk(3, dim=-1).indices
+        hit1 = (top3[..., 0] == targets.argmax).float()
+        hit3 = (top3 == targets.argmax[..., None]).any(-1).float()
+        metrics = {
+            f"{prefix}reg": float((regression * weight).sum() / denom),
+            f"{prefix}ce": float((ce * weight).sum() / denom),
+            f"{prefix}top1": float((hit1 * answer).sum() / n),
+            f"{prefix}top3": float((hit3 * answer).sum() / n),
+        }
+    return loss, metrics

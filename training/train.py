@@ -1,0 +1,243 @@
+"""The one training loop for every draft model (nanoGPT style): AdamW, linear warmup and
+linear decay, gradient clipping, logging of loss and per-unrolled-step top-1/top-3 agreement
+with the target, resumable checkpoints (safetensors only, no pickle) and a final fp16 export
+with a manifest (sha256, configs, data recipe, metrics, the reproduce command).
+
+The model is ``training.models.MODELS[config.model]``; data are the shards of
+``training.prepare`` (see ``training.data``). The hot vocabulary is the ``hot_vocab_size`` most
+frequent token ids of the training split.
+
+    python -m training.train --data eagle-mix-v1 --run-name eagle-v1 --max-steps 1500
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from lyanna.model import fetch_default_model, read_hf_dir
+from lyanna.model.default import sha256_of
+from training.config import TrainConfig, parse_overrides
+from training.data import Sequence, iter_sequences, read_manifest
+from training.losses import FrozenTarget, TrainBatch
+from training.models import get_model_class
+
+STATE = "state.safetensors"
+
+
+def hot_vocabulary(sequences: list[Sequence], size: int, vocab_size: int) -> torch.Tensor:
+    """The ``size`` most frequent token ids (ties: lower id first)  # [size] int64"""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for seq in sequences:
+        counts += torch.bincount(seq.tokens, minlength=vocab_size)
+    order = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))
+    return torch.tensor(order[:size], dtype=torch.int64)
+
+
+def plan_batches(lengths: list[int], config: TrainConfig, epoch: int) -> list[list[int]]:
+    """Batches of sequence indices for one epoch: shuffled, bucketed by length so padding is
+    small, ``len(batch) * longest <= batch_tokens``; deterministic in (seed, epoch)."""
+    rng = random.Random(config.seed * 7919 + epoch)
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    batches: list[list[int]] = []
+    pool = 64 * max(1, config.batch_tokens // config.max_seq_len)
+    for start in range(0, len(order), pool):
+        group = sorted(order[start : start + pool], key=lambda i: lengths[i])
+        batch: list[int] = []
+        for i in group:  # ascending length: the newest is the longest
+            if batch and (len(batch) + 1) * lengths[i] > config.batch_tokens:
+                batches.append(batch)
+                batch = []
+            batch.append(i)
+        if batch:
+            batches.append(batch)
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(sequences: list[Sequence], config: TrainConfig) -> TrainBatch:
+    T = max(min(s.tokens.shape[0], config.max_seq_len) for s in sequences)
+    B, d = len(sequences), sequences[0].hidden.shape[1]
+    tokens = torch.zeros(B, T, dtype=torch.int64)
+    hidden = torch.zeros(B, T, d)
+    weight = torch.zeros(B, T)
+    answer = torch.zeros(B, T, dtype=torch.bool)
+    for b, s in enumerate(sequences):
+        n = min(s.tokens.shape[0], T)
+        tokens[b, :n] = s.tokens[:n]
+        hidden[b, :n] = s.hidden[:n].float()
+        answer[b, :n] = s.loss_mask[:n]
+        weight[b, :n] = torch.where(s.loss_mask[:n], 1.0, config.prompt_weight)
+    return TrainBatch(tokens=tokens, hidden=hidden, weight=weight, answer=answer)
+
+
+def save_state(path: Path, model, optimizer, step: int, config: TrainConfig) -> None:
+    tensors = {f"model.{k}": v.contiguous() for k, v in model.state_dict().items()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for key, value in optimizer.state.get(p, {}).items():
+                tensors[f"opt.{names[id(p)]}.{key}"] = value.reshape(-1).contiguous()
+    meta = {"step": str(step), "config": json.dumps(dataclasses.asdict(config))}
+    partial = path.with_suffix(".partial")
+    save_file(tensors, partial, metadata=meta)
+    partial.replace(path)
+
+
+def load_state(path: Path, model, optimizer) -> int:
+    tensors = load_file(path)
+    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    for name, p in model.named_parameters():
+        state = {}
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            value = tensors.get(f"opt.{name}.{key}")
+            if value is not None:
+                state[key] = value.reshape(()) if key == "step" else value.view_as(p)
+        if state:
+            optimizer.state[p] = state
+    with safe_open(path, "pt") as f:
+        return int(f.metadata()["step"])
+
+
+@torch.no_grad()
+def evaluate(model, batches: list[TrainBatch]) -> dict[str, float]:
+    model.eval()
+    totals: dict[str, float] = {}
+    for batch in batches:
+        _, metrics = model.loss(batch)
+        for k, v in metrics.items():
+            totals[k] = totals.get(k, 0.0) + v / len(batches)
+    model.train()
+    return {k: round(v, 4) for k, v in totals.items()}
+
+
+def export(model, config: TrainConfig, record: dict) -> Path:
+    out = Path(config.export_dir) if config.export_dir else config.work_dir / "export"
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(model.export(), out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(model.config_dict(), indent=2) + "\n")
+    data = {}
+    for d in config.data_dirs:
+        m = read_manifest(d)
+        data[d.name] = {k: m.get(k) for k in ("config", "source", "model", "totals")}
+    prepare_cmds = [
+        "python -m training.prepare "
+        + " ".join(
+            f"--{k.replace('_', '-')} {v}"
+            for k, v in m["config"].items()
+            if k not in ("out_dir",) and v != ""
+        )
+        for m in data.values()
+    ]
+    manifest = {
+        "sha256": {"model.safetensors": sha256_of(out / "model.safetensors")},
+        "config": model.config_dict(),
+        "train_config": dataclasses.asdict(config),
+        "data": data,
+        "metrics": record,
+        "reproduce": [*prepare_cmds, "python -m training.train " + shlex.join(sys.argv[1:])],
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return out
+
+
+def train(config: TrainConfig) -> dict:
+    torch.set_num_threads(config.threads)
+    torch.manual_seed(config.seed)
+    work = config.work_dir
+    work.mkdir(parents=True, exist_ok=True)
+    target_config, state = read_hf_dir(fetch_default_model())
+    sequences = list(iter_sequences(config.data_dirs))
+    if len(sequences) <= config.val_sequences:
+        raise ValueError(f"only {len(sequences)} sequences in {config.data}")
+    train_seqs, val_seqs = sequences[: -config.val_sequences], sequences[-config.val_sequences :]
+    hot = hot_vocabulary(train_seqs, config.hot_vocab_size, target_config.vocab_size)
+    target = FrozenTarget.from_embedding(state["model.embed_tokens.weight"], hot)
+    del state
+    model = get_model_class(config.model).build(target, target_config, config)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+    )
+    step = load_state(work / STATE, model, optimizer) if (work / STATE).is_file() else 0
+    lengths = [min(s.tokens.shape[0], config.max_seq_len) for s in train_seqs]
+    val_lengths = [min(s.tokens.shape[0], config.max_seq_len) for s in val_seqs]
+    val_batches = [
+        collate([val_seqs[i] for i in b], config)
+        for b in plan_batches(val_lengths, config, epoch=-1)
+    ]
+    epoch, plan = 0, plan_batches(lengths, config, 0)
+    consumed = step
+    while consumed >= len(plan):
+        consumed -= len(plan)
+        epoch += 1
+        plan = plan_batches(lengths, config, epoch)
+    log = (work / "log.jsonl").open("a")
+    started = time.perf_counter()
+    tokens_seen = 0
+    model.train()
+    while step < config.max_steps:
+        if consumed >= len(plan):
+            epoch, consumed = epoch + 1, 0
+            plan = plan_batches(lengths, config, epoch)
+        batch = collate([train_seqs[i] for i in plan[consumed]], config)
+        consumed += 1
+        lr = config.lr_at(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss, metrics = model.loss(batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.grad_clip))
+        optimizer.step()
+        step += 1
+        tokens_seen += int((batch.weight > 0).sum())
+        elapsed = time.perf_counter() - started
+        if step % config.log_every == 0 or step == config.max_steps:
+            entry = {"step": step, "epoch": epoch, "lr": lr, "grad_norm": round(grad_norm, 3)}
+            entry |= {k: round(v, 4) for k, v in metrics.items()}
+            entry["tok_per_s"] = round(tokens_seen / elapsed, 1)
+            print(json.dumps(entry), flush=True)
+            log.write(json.dumps(entry) + "\n")
+        out_of_time = config.max_minutes and elapsed > 60 * config.max_minutes
+        if step % config.eval_every == 0:
+            val = {"step": step, "val": evaluate(model, val_batches)}
+            print(json.dumps(val), flush=True)
+            log.write(json.dumps(val) + "\n")
+        if step % config.ckpt_every == 0 or step == config.max_steps or out_of_time:
+            save_state(work / STATE, model, optimizer, step, config)
+        if out_of_time:
+            break
+    val = evaluate(model, val_batches)
+    record = {
+        "steps": step,
+        "epochs": round(epoch + consumed / max(1, len(plan)), 2),
+        "train_sequences": len(train_seqs),
+        "train_tokens": sum(lengths),
+        "val_sequences": len(val_seqs),
+        "seconds_this_run": round(time.perf_counter() - started, 1),
+        "val": val,
+    }
+    log.write(json.dumps({"final": record}) + "\n")
+    log.close()
+    out = export(model, config, record)
+    print(json.dumps({"export": str(out), **record}), flush=True)
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    train(parse_overrides(argv))
+
+
+if __name__ == "__main__":
+    main()
