@@ -16,6 +16,7 @@ from lyanna.model.config import ModelConfig
 from training.config import TrainConfig
 from training.eagle import EagleTrainModel
 from training.losses import FrozenTarget, TrainBatch
+from training.lyanna import LyannaTrainModel
 
 
 class DraftTrainModel(Protocol):
@@ -38,6 +39,7 @@ class DraftTrainModel(Protocol):
 MODELS: Mapping[str, type] = MappingProxyType(
     {
         "eagle": EagleTrainModel,
+        "lyanna": LyannaTrainModel,
     }
 )
 
