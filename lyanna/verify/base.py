@@ -77,8 +77,9 @@ class AcceptanceRule(Protocol):
     """
 
     name: str
-    needs_draft_probs: bool
-    schemes: frozenset[DraftScheme]
+    needs_draft_probs: bool  # False: the tree's draft rows are never read
+    needs_chain: bool  # True: verifies chains only
+    schemes: frozenset[DraftScheme]  # drafting schemes this rule is lossless for
 
     def __call__(
         self,

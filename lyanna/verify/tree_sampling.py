@@ -46,26 +46,35 @@ class SiblingTrials:
         self.fallback = False  # an empty residual was replaced by the original row
 
     def masses(self, token: int) -> tuple[torch.Tensor, torch.Tensor]:  # p'(c), q_k(c)
-        trial_row = self.rule._trial_row(self.draft_row, token, self.target_row)
-        return self.target_row[token], trial_row[token]
+        return self.target_row[token], self.rule._trial_mass(self.draft_row, token)
 
     def reject(self, token: int) -> None:
-        trial_row = self.rule._trial_row(self.draft_row, token, self.target_row)
-        self.target_row, mass = positive_residual(self.target_row, trial_row, self.original)
+        self.target_row, mass = self.rule._residual(
+            self.target_row, self.draft_row, token, self.original
+        )
         self.fallback = self.fallback or bool(mass <= 0)
         self.draft_row = self.rule._after_rejection(self.draft_row, token)
 
 
 class _TopDownRule(RuleBase):
-    """The shared skeleton of §3.1; subclasses define the trial row and its update."""
+    """The shared skeleton of §3.1; subclasses define the trial row q_k through its mass at
+    the tried token, the residual after a rejection, and the update of q'."""
 
-    def _trial_row(
+    def _trial_mass(
         self,
         draft_row: torch.Tensor | None,  # [vocab] q' (None if the rule needs no draft rows)
         token: int,
+    ) -> torch.Tensor:  # [] q_k(token)
+        return draft_row[token]
+
+    def _residual(
+        self,
         target_row: torch.Tensor,  # [vocab] p'
-    ) -> torch.Tensor:  # [vocab] q_k
-        raise NotImplementedError
+        draft_row: torch.Tensor | None,  # [vocab] q' (None if the rule needs no draft rows)
+        token: int,
+        original: torch.Tensor,  # [vocab] p(. | node), the fallback
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [vocab] norm(max(p' - q_k, 0)), [] its mass
+        return positive_residual(target_row, draft_row, original)
 
     def _after_rejection(
         self,
@@ -154,14 +163,6 @@ class SpecInferMultiStep(_TopDownRule):
     needs_draft_probs = True
     schemes = frozenset({DraftScheme.IID, DraftScheme.CHAIN_SAMPLED})
 
-    def _trial_row(
-        self,
-        draft_row: torch.Tensor | None,  # [vocab] q' (None if the rule needs no draft rows)
-        token: int,
-        target_row: torch.Tensor,  # [vocab] p'
-    ) -> torch.Tensor:
-        return draft_row
-
 
 class RecursiveRejectionWithoutReplacement(_TopDownRule):
     """Recursive rejection sampling without replacement (Yang et al. 2024; EAGLE-1).
@@ -176,14 +177,6 @@ class RecursiveRejectionWithoutReplacement(_TopDownRule):
     needs_draft_probs = True
     schemes = frozenset({DraftScheme.WITHOUT_REPLACEMENT, DraftScheme.CHAIN_SAMPLED})
 
-    def _trial_row(
-        self,
-        draft_row: torch.Tensor | None,  # [vocab] q' (None if the rule needs no draft rows)
-        token: int,
-        target_row: torch.Tensor,  # [vocab] p'
-    ) -> torch.Tensor:
-        return draft_row
-
     def _after_rejection(
         self,
         draft_row: torch.Tensor | None,  # [vocab] q' (None if the rule needs no draft rows)
@@ -192,7 +185,7 @@ class RecursiveRejectionWithoutReplacement(_TopDownRule):
         remaining = draft_row.clone()
         remaining[token] = 0.0
         total = remaining.sum()
-        return remaining / total if total > 0 else remaining
+        return remaining.div_(total) if total > 0 else remaining
 
 
 class DeterministicCandidates(_TopDownRule):
@@ -209,12 +202,24 @@ class DeterministicCandidates(_TopDownRule):
     needs_draft_probs = False
     schemes = frozenset(DraftScheme)
 
-    def _trial_row(
+    def _trial_mass(
         self,
-        draft_row: torch.Tensor | None,  # [vocab] q' (None if the rule needs no draft rows)
+        draft_row: torch.Tensor | None,  # [vocab] unused
         token: int,
+    ) -> torch.Tensor:  # [] one_hot(c)(c) = 1
+        return torch.ones((), dtype=torch.float64)
+
+    def _residual(
+        self,
         target_row: torch.Tensor,  # [vocab] p'
-    ) -> torch.Tensor:
-        one_hot = torch.zeros_like(target_row)
-        one_hot[token] = 1.0
-        return one_hot
+        draft_row: torch.Tensor | None,  # [vocab] unused
+        token: int,
+        original: torch.Tensor,  # [vocab] p(. | node), the fallback
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [vocab], [] residual mass
+        """max(p' - one_hot(c), 0) is p' with c zeroed, since p'(c) <= 1."""
+        residual = target_row.clone()
+        residual[token] = 0.0
+        mass = residual.sum()
+        if mass > 0:
+            return residual.div_(mass), mass
+        return original / original.sum(), mass
