@@ -44,6 +44,74 @@ class TraversalTest:
     fallback: bool  # an empty residual was replaced by the target row so far
 
 
+class _TraversalState:
+    """Live children, Mb / Ms rows and levels pa of one traversal. Rows are copy-on-write:
+    only a node that loses a child gets its own rows. Ms is kept unnormalised with its total
+    (removing a token costs O(1)); residuals are scale-free, so S is rescaled instead."""
+
+    def __init__(
+        self,
+        tree: TokenTree,
+        target_probs: torch.Tensor,  # [num_nodes, vocab] p(. | node)
+        drafts: torch.Tensor,  # [num_nodes, vocab] q(. | node)
+    ) -> None:
+        self.target_probs, self.drafts = target_probs, drafts
+        self.tokens, self.parents = tree.tokens.tolist(), tree.parents.tolist()
+        self.live = [list(tree.children(i)) for i in range(tree.num_nodes)]
+        self.level = [1.0] * tree.num_nodes
+        self.target_rows: dict[int, torch.Tensor] = {}  # Mb, once it differs from p
+        self.draft_left: dict[int, tuple[torch.Tensor, float]] = {}  # Ms * total, total
+        self.fallback = False
+        self.refresh(0)
+
+    def mb(self, node: int) -> torch.Tensor:  # [vocab]
+        return self.target_rows.get(node, self.target_probs[node])
+
+    def ms(self, node: int) -> tuple[torch.Tensor, float]:  # [vocab] unnormalised Ms, total
+        return self.draft_left.get(node, (self.drafts[node], 1.0))
+
+    def refresh(self, node: int) -> None:
+        """pa(c) = min(1, pa(n) Mb_n(c) / Ms_n(c)) for every live descendant c of `node`."""
+        children = self.live[node]
+        if not children:
+            return
+        index = torch.tensor([self.tokens[c] for c in children])
+        draft_row, total = self.ms(node)
+        draft_mass = draft_row[index] / total if total > 0 else draft_row[index]
+        levels = accept_probability(self.level[node] * self.mb(node)[index], draft_mass)
+        for child, level in zip(children, levels.tolist(), strict=True):
+            self.level[child] = level
+            self.refresh(child)
+
+    def first_leaf_path(self) -> tuple[int, ...]:
+        """Root to the first leaf in post-order (first live child at every step)."""
+        path = [0]
+        while self.live[path[-1]]:
+            path.append(self.live[path[-1]][0])
+        return tuple(path)
+
+    def delete(self, leaf: int) -> None:
+        """Remove a rejected leaf and update its parent as block verification would."""
+        parent = self.parents[leaf]
+        self.live[parent].pop(0)
+        old_level = self.level[parent]
+        draft_row, total = self.ms(parent)
+        scale = old_level * total if total > 0 else old_level
+        weighted = self.mb(parent) * scale if scale != 1.0 else self.mb(parent)
+        self.target_rows[parent], mass = positive_residual(
+            weighted, draft_row, self.target_probs[parent]
+        )
+        self.fallback = self.fallback or bool(mass <= 0)
+        excess = float(mass) / total if total > 0 else float(mass)  # S
+        denominator = excess + (1.0 - old_level)  # S + (1 - w), never (S + 1) - w
+        self.level[parent] = excess / denominator if denominator > 0 else 0.0
+        if parent not in self.draft_left:
+            draft_row = draft_row.clone()
+        draft_row[self.tokens[leaf]] = 0.0
+        self.draft_left[parent] = (draft_row, float(draft_row.sum()))
+        self.refresh(parent)
+
+
 class TraversalVerification(RuleBase):
     """Traversal verification for trees drafted without replacement (and sampled chains).
 
@@ -67,52 +135,15 @@ class TraversalVerification(RuleBase):
         if tree.num_drafted == 0:
             yield TraversalTest((0,), 1.0, target_probs[0], False)
             return
-        drafts = draft_rows(tree, target_probs)
-        # Copy-on-write rows: only nodes that lose a child get new Mb / Ms rows.
-        target_rows: dict[int, torch.Tensor] = {}  # Mb
-        draft_rows_left: dict[int, torch.Tensor] = {}  # Ms
-
-        def mb(node: int) -> torch.Tensor:  # [vocab]
-            return target_rows.get(node, target_probs[node])
-
-        def ms(node: int) -> torch.Tensor:  # [vocab]
-            return draft_rows_left.get(node, drafts[node])
-
-        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-        live = [list(tree.children(i)) for i in range(tree.num_nodes)]
-        level = [1.0] * tree.num_nodes
-        fallback = False
-
-        def refresh(node: int) -> None:
-            for child in live[node]:
-                target_mass = level[node] * mb(node)[tokens[child]]
-                level[child] = float(accept_probability(target_mass, ms(node)[tokens[child]]))
-                refresh(child)
-
-        refresh(0)
+        state = _TraversalState(tree, target_probs, draft_rows(tree, target_probs))
         while True:
-            path = [0]
-            while live[path[-1]]:
-                path.append(live[path[-1]][0])
+            path = state.first_leaf_path()
             leaf = path[-1]
+            level = 1.0 if leaf == 0 else state.level[leaf]
+            yield TraversalTest(path, level, state.mb(leaf), state.fallback)
             if leaf == 0:
-                yield TraversalTest((0,), 1.0, mb(0), fallback)
                 return
-            yield TraversalTest(tuple(path), level[leaf], mb(leaf), fallback)
-            parent = parents[leaf]
-            live[parent].pop(0)
-            old_level = level[parent]
-            target_rows[parent], excess = positive_residual(
-                old_level * mb(parent), ms(parent), target_probs[parent]
-            )
-            fallback = fallback or bool(excess <= 0)
-            denominator = float(excess) + (1.0 - old_level)  # S + (1 - w), not (S + 1) - w
-            level[parent] = float(excess) / denominator if denominator > 0 else 0.0
-            remaining = ms(parent).clone()
-            remaining[tokens[leaf]] = 0.0
-            total = remaining.sum()
-            draft_rows_left[parent] = remaining / total if total > 0 else remaining
-            refresh(parent)
+            state.delete(leaf)
 
     def _verify(
         self,
