@@ -3,7 +3,7 @@
 sequence, LM head on every row) on the default model. Verification should stay below 5% of the
 forward.
 
-    python -m bench.verify_cost [--batch 16] [--drafts 16] [--repeats 5]
+    python -m bench.verify_cost [--batch 16] [--drafts 16] [--repeats 5] [--threads N]
 
 Target and draft rows are synthetic but realistic in shape: peaked target logits, draft logits
 = target + noise, chains and trees drafted from the draft rows as each scheme prescribes.
@@ -135,7 +135,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--drafts", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     args = parser.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     if args.drafts + 1 > len(TREE_PARENTS):
         parser.error(f"--drafts must be <= {len(TREE_PARENTS) - 1}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, vocab {VOCAB}")

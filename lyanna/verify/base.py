@@ -213,6 +213,13 @@ def accept_probability(
     return torch.where(target_mass >= draft_mass, (target_mass > 0).to(ratio.dtype), ratio)
 
 
+def accept_ratio(target_mass: float, draft_mass: float) -> float:
+    """`accept_probability` for Python floats (the same cases, no tensor overhead)."""
+    if target_mass >= draft_mass:
+        return 1.0 if target_mass > 0 else 0.0
+    return target_mass / draft_mass
+
+
 def accept_test(
     target_mass: torch.Tensor,  # [...]
     draft_mass: torch.Tensor,  # [...]

@@ -10,12 +10,13 @@ block verification's stop probability pa(a) = S / (S + (1 - pa(a))), S = sum max
 Mb_a = norm(max(pa Mb_a - Ms_a, 0)), the deleted token removed from Ms_a, and recompute pa
 below a. Reaching the root (all children deleted) emits from Mb_root. On a chain this is block
 verification; on trees it accepts at least as much as RRS without replacement in our
-measurements (not a theorem). Sequential: O(num_nodes * vocab) work per rejection.
+measurements (not a theorem). Each tree is sequential (O(vocab) work per rejection); a batch
+runs in lockstep, so one step deletes one leaf in every still-undecided tree with batched ops.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,9 +26,9 @@ from lyanna.verify.base import (
     Branch,
     RuleBase,
     Verdict,
-    accept_probability,
+    accept_ratio,
     draft_rows,
-    draw,
+    draw_rows,
     make_verdict,
     positive_residual,
 )
@@ -41,75 +42,121 @@ class TraversalTest:
     path: tuple[int, ...]
     accept_probability: float
     next_token_probs: torch.Tensor  # [vocab]
-    fallback: bool  # an empty residual was replaced by the target row so far
+    fallback: bool  # an empty residual was replaced by the current row so far
 
 
-class _TraversalState:
-    """Live children, Mb / Ms rows and levels pa of one traversal. Rows are copy-on-write:
-    only a node that loses a child gets its own rows. Ms is kept unnormalised with its total
-    (removing a token costs O(1)); residuals are scale-free, so S is rescaled instead."""
+class _Traversals:
+    """Lockstep traversal state of a batch of trees. Rows are copy-on-write (only a node that
+    lost a child has its own Mb / Ms rows); Ms is kept unnormalised with its total, which
+    leaves every residual unchanged and only rescales S. The scalars the levels need,
+    Mb_parent(c) and Ms_parent(c) / total for every live child c, are cached as floats."""
 
     def __init__(
         self,
-        tree: TokenTree,
-        target_probs: torch.Tensor,  # [num_nodes, vocab] p(. | node)
-        drafts: torch.Tensor,  # [num_nodes, vocab] q(. | node)
+        trees: Sequence[TokenTree],
+        target_probs: Sequence[torch.Tensor],  # each [num_nodes_b, vocab]
     ) -> None:
-        self.target_probs, self.drafts = target_probs, drafts
-        self.tokens, self.parents = tree.tokens.tolist(), tree.parents.tolist()
-        self.live = [list(tree.children(i)) for i in range(tree.num_nodes)]
-        self.level = [1.0] * tree.num_nodes
-        self.target_rows: dict[int, torch.Tensor] = {}  # Mb, once it differs from p
-        self.draft_left: dict[int, tuple[torch.Tensor, float]] = {}  # Ms * total, total
-        self.fallback = False
-        self.refresh(0)
+        self.trees, self.target_probs = trees, target_probs
+        self.drafts = [
+            draft_rows(tree, probs) if tree.num_drafted else None
+            for tree, probs in zip(trees, target_probs, strict=True)
+        ]
+        self.tokens = [t.tokens.tolist() for t in trees]
+        self.parents = [t.parents.tolist() for t in trees]
+        self.live = [[list(t.children(i)) for i in range(t.num_nodes)] for t in trees]
+        self.level = [[1.0] * t.num_nodes for t in trees]
+        self.fallback = [False] * len(trees)
+        self.target_rows: dict[tuple[int, int], torch.Tensor] = {}  # Mb once it differs from p
+        self.draft_left: dict[tuple[int, int], tuple[torch.Tensor, float]] = {}  # Ms*total, total
+        self.target_mass: list[list[float]] = []  # Mb_parent(token of c), by child c
+        self.draft_mass: list[list[float]] = []  # Ms_parent(token of c)
+        for b, tree in enumerate(trees):
+            index = (tree.parents[1:], tree.tokens[1:])
+            self.target_mass.append([1.0] + target_probs[b][index].tolist())
+            drafted = [] if self.drafts[b] is None else self.drafts[b][index].tolist()
+            self.draft_mass.append([1.0] + drafted)
+            self.refresh(b, 0)
 
-    def mb(self, node: int) -> torch.Tensor:  # [vocab]
-        return self.target_rows.get(node, self.target_probs[node])
+    def mb(self, b: int, node: int) -> torch.Tensor:  # [vocab]
+        return self.target_rows.get((b, node), self.target_probs[b][node])
 
-    def ms(self, node: int) -> tuple[torch.Tensor, float]:  # [vocab] unnormalised Ms, total
-        return self.draft_left.get(node, (self.drafts[node], 1.0))
+    def ms(self, b: int, node: int) -> tuple[torch.Tensor, float]:  # [vocab] Ms * total, total
+        return self.draft_left.get((b, node), (self.drafts[b][node], 1.0))
 
-    def refresh(self, node: int) -> None:
+    def refresh(self, b: int, node: int) -> None:
         """pa(c) = min(1, pa(n) Mb_n(c) / Ms_n(c)) for every live descendant c of `node`."""
-        children = self.live[node]
-        if not children:
-            return
-        index = torch.tensor([self.tokens[c] for c in children])
-        draft_row, total = self.ms(node)
-        draft_mass = draft_row[index] / total if total > 0 else draft_row[index]
-        levels = accept_probability(self.level[node] * self.mb(node)[index], draft_mass)
-        for child, level in zip(children, levels.tolist(), strict=True):
-            self.level[child] = level
-            self.refresh(child)
+        level, target_mass, draft_mass = self.level[b], self.target_mass[b], self.draft_mass[b]
+        stack = [node]
+        while stack:
+            parent = stack.pop()
+            for child in self.live[b][parent]:
+                level[child] = accept_ratio(level[parent] * target_mass[child], draft_mass[child])
+                stack.append(child)
 
-    def first_leaf_path(self) -> tuple[int, ...]:
+    def first_leaf_path(self, b: int) -> tuple[int, ...]:
         """Root to the first leaf in post-order (first live child at every step)."""
-        path = [0]
-        while self.live[path[-1]]:
-            path.append(self.live[path[-1]][0])
+        path, live = [0], self.live[b]
+        while live[path[-1]]:
+            path.append(live[path[-1]][0])
         return tuple(path)
 
-    def delete(self, leaf: int) -> None:
-        """Remove a rejected leaf and update its parent as block verification would."""
-        parent = self.parents[leaf]
-        self.live[parent].pop(0)
-        old_level = self.level[parent]
-        draft_row, total = self.ms(parent)
-        scale = old_level * total if total > 0 else old_level
-        weighted = self.mb(parent) * scale if scale != 1.0 else self.mb(parent)
-        self.target_rows[parent], mass = positive_residual(
-            weighted, draft_row, self.target_probs[parent]
+    def test(self, b: int) -> TraversalTest:
+        path = self.first_leaf_path(b)
+        level = 1.0 if len(path) == 1 else self.level[b][path[-1]]
+        return TraversalTest(path, level, self.mb(b, path[-1]), self.fallback[b])
+
+    def delete(self, rejected: list[tuple[int, int]]) -> None:
+        """Remove one rejected leaf (b, leaf) per listed tree and update each parent as block
+        verification would, with batched row arithmetic."""
+        if not rejected:
+            return
+        nodes = [(b, self.parents[b][leaf]) for b, leaf in rejected]
+        for b, parent in nodes:
+            self.live[b][parent].pop(0)
+        old_levels = [self.level[b][a] for b, a in nodes]
+        target_rows = torch.stack([self.mb(b, a) for b, a in nodes])  # [k, vocab]
+        drafts = [self.ms(b, a) for b, a in nodes]
+        draft_rows_left = torch.stack([row for row, _ in drafts])  # [k, vocab] copies
+        totals = [total if total > 0 else 1.0 for _, total in drafts]
+        scales = torch.tensor(
+            [w * t for w, t in zip(old_levels, totals, strict=True)], dtype=torch.float64
         )
-        self.fallback = self.fallback or bool(mass <= 0)
-        excess = float(mass) / total if total > 0 else float(mass)  # S
-        denominator = excess + (1.0 - old_level)  # S + (1 - w), never (S + 1) - w
-        self.level[parent] = excess / denominator if denominator > 0 else 0.0
-        if parent not in self.draft_left:
-            draft_row = draft_row.clone()
-        draft_row[self.tokens[leaf]] = 0.0
-        self.draft_left[parent] = (draft_row, float(draft_row.sum()))
-        self.refresh(parent)
+        weighted = target_rows * scales.to(target_rows.dtype)[:, None]
+        residual, mass = positive_residual(weighted, draft_rows_left, target_rows)
+        leaf_tokens = torch.tensor([self.tokens[b][leaf] for b, leaf in rejected])
+        draft_rows_left[torch.arange(len(nodes)), leaf_tokens] = 0.0
+        new_totals = draft_rows_left.sum(dim=-1).tolist()
+        for i, ((b, a), excess) in enumerate(zip(nodes, mass.tolist(), strict=True)):
+            self.fallback[b] = self.fallback[b] or excess <= 0
+            excess /= totals[i]  # S
+            denominator = excess + (1.0 - old_levels[i])  # S + (1 - w), never (S + 1) - w
+            self.level[b][a] = excess / denominator if denominator > 0 else 0.0
+            self.target_rows[(b, a)] = residual[i]
+            self.draft_left[(b, a)] = (draft_rows_left[i], new_totals[i])
+        self._cache_child_masses(nodes, residual, draft_rows_left, new_totals)
+        for b, a in nodes:
+            self.refresh(b, a)
+
+    def _cache_child_masses(
+        self,
+        nodes: list[tuple[int, int]],
+        residual: torch.Tensor,  # [k, vocab] new Mb rows
+        draft_rows_left: torch.Tensor,  # [k, vocab] new Ms * total rows
+        totals: list[float],
+    ) -> None:
+        rows, columns, children = [], [], []
+        for i, (b, a) in enumerate(nodes):
+            for child in self.live[b][a]:
+                rows.append(i)
+                columns.append(self.tokens[b][child])
+                children.append((i, b, child))
+        if not children:
+            return
+        index = (torch.tensor(rows), torch.tensor(columns))
+        target_mass, draft_mass = residual[index].tolist(), draft_rows_left[index].tolist()
+        for (i, b, child), tm, dm in zip(children, target_mass, draft_mass, strict=True):
+            self.target_mass[b][child] = tm
+            self.draft_mass[b][child] = dm / totals[i] if totals[i] > 0 else dm
 
 
 class TraversalVerification(RuleBase):
@@ -129,34 +176,43 @@ class TraversalVerification(RuleBase):
         tree: TokenTree,
         target_probs: torch.Tensor,  # [num_nodes, vocab]
     ) -> Iterator[TraversalTest]:
-        """The sequence of tests; the first success decides the verdict (the last test,
-        at the root, always succeeds)."""
+        """The sequence of tests of one tree; the first success decides the verdict (the
+        last test, at the root, always succeeds)."""
         self.check(tree, target_probs)
-        if tree.num_drafted == 0:
-            yield TraversalTest((0,), 1.0, target_probs[0], False)
-            return
-        state = _TraversalState(tree, target_probs, draft_rows(tree, target_probs))
+        state = _Traversals([tree], [target_probs])
         while True:
-            path = state.first_leaf_path()
-            leaf = path[-1]
-            level = 1.0 if leaf == 0 else state.level[leaf]
-            yield TraversalTest(path, level, state.mb(leaf), state.fallback)
-            if leaf == 0:
+            test = state.test(0)
+            yield test
+            if len(test.path) == 1:
                 return
-            state.delete(leaf)
+            state.delete([(0, test.path[-1])])
 
-    def _verify(
+    def _verify_batch(
         self,
-        tree: TokenTree,
-        target_probs: torch.Tensor,  # [num_nodes, vocab]
+        trees: Sequence[TokenTree],
+        target_probs: Sequence[torch.Tensor],  # each [num_nodes_b, vocab]
         generator: torch.Generator | None,
-    ) -> Verdict:
-        for test in self.tests(tree, target_probs):
-            u = float(torch.rand(1, generator=generator, dtype=torch.float64))
-            if u < test.accept_probability:
-                token = draw(test.next_token_probs, generator)
-                return make_verdict(tree, test.path, token, test.fallback)
-        raise AssertionError("the root test always succeeds")
+    ) -> list[Verdict]:
+        state = _Traversals(trees, target_probs)
+        undecided = list(range(len(trees)))
+        decided: dict[int, TraversalTest] = {}
+        while undecided:
+            tests = [state.test(b) for b in undecided]
+            u = torch.rand(len(undecided), generator=generator, dtype=torch.float64).tolist()
+            rejected = []
+            for b, test, u_b in zip(undecided, tests, u, strict=True):
+                if u_b < test.accept_probability:  # one fresh uniform per test, strict <
+                    decided[b] = test
+                else:
+                    rejected.append((b, test.path[-1]))
+            state.delete(rejected)
+            undecided = [b for b, _ in rejected]
+        final = [decided[b] for b in range(len(trees))]
+        tokens = draw_rows(torch.stack([t.next_token_probs for t in final]), generator)
+        return [
+            make_verdict(tree, test.path, token, test.fallback)
+            for tree, test, token in zip(trees, final, tokens, strict=True)
+        ]
 
     def _branches(
         self,

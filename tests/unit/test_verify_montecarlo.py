@@ -54,11 +54,15 @@ def test_chain_samplers_match_their_law_in_a_mixed_length_batch(name: str) -> No
 def test_tree_samplers_match_their_law(name: str, scheme: DraftScheme, parents) -> None:
     rule = RULES[name]
     tree, probs = a_draft(parents, scheme, pick=0.5)
+    small, small_probs = a_draft([-1, 0, 0], scheme, pick=0.3, seed=2)
+    generator = torch.Generator().manual_seed(11)
+    single = [rule(tree, probs, generator) for _ in range(1500)]
+    mixed = rule.verify_batch([tree, small] * 1500, [probs, small_probs] * 1500, generator)
     law = verdict_law(rule, tree, probs)
     assert len(law) > 3
-    generator = torch.Generator().manual_seed(11)
-    verdicts = [rule(tree, probs, generator) for _ in range(2000)]
-    assert chi_square_pvalue(law, verdicts) > MIN_PVALUE
+    assert chi_square_pvalue(law, single) > MIN_PVALUE
+    assert chi_square_pvalue(law, mixed[0::2]) > MIN_PVALUE
+    assert chi_square_pvalue(verdict_law(rule, small, small_probs), mixed[1::2]) > MIN_PVALUE
 
 
 def test_chi_square_detects_a_wrong_sampler() -> None:

@@ -9,7 +9,7 @@ import torch
 from lyanna.sampling import logits_to_probs
 from lyanna.tree import TokenTree
 from lyanna.verify import RULES
-from lyanna.verify.base import accept_probability, accept_test, positive_residual
+from lyanna.verify.base import accept_probability, accept_ratio, accept_test, positive_residual
 
 CHAIN_RULES = ["tokenwise", "block", "hsd", "traversal", "specinfer", "rrs_wor"]
 
@@ -88,6 +88,14 @@ def test_accept_test_is_strict_and_needs_no_division() -> None:
     target_mass = torch.tensor([0.0, 0.0, 0.3, 0.5])
     draft_mass = torch.tensor([0.4, 0.0, 0.0, 0.5])
     assert accept_probability(target_mass, draft_mass).tolist() == [0.0, 0.0, 1.0, 1.0]
+    pairs = [(0.0, 0.4), (0.0, 0.0), (0.3, 0.0), (0.5, 0.5), (0.2, 0.8), (0.9, 0.3)]
+    for p, q in pairs:
+        expected = float(
+            accept_probability(
+                torch.tensor(p, dtype=torch.float64), torch.tensor(q, dtype=torch.float64)
+            )
+        )
+        assert accept_ratio(p, q) == expected
     generator = torch.Generator().manual_seed(0)
     hits = torch.stack([accept_test(target_mass, draft_mass, generator) for _ in range(2000)])
     assert hits.all(0).tolist() == [False, False, True, True]
