@@ -1,0 +1,46 @@
+"""On the real default model, every speculative method in the engine (greedy acceptance rule on
+real tree logits) reproduces plain greedy decoding token for token, Lyanna with fusion on and
+off included."""
+
+from __future__ import annotations
+
+import pytest
+
+from lyanna.decode import generate
+from lyanna.drafters import DraftBudget, make_drafter
+from lyanna.engine import EngineConfig, SpecEngine
+from lyanna.sampling import SamplingParams
+from lyanna.sequence import Sequence
+from lyanna.tokenizer import chat_prompt_ids
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Rewrite in a formal tone: 'hey, the meeting moved to 3pm, dont be late'.",
+    "Explain why the sky is blue in three sentences.",
+    "Write a Python function that reverses a string.",
+]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(default_model, default_tokenizer):
+    eos = frozenset({default_tokenizer.eos_token_id})
+    prompts = [
+        chat_prompt_ids(default_tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS
+    ]
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=48), eos) for i, p in enumerate(prompts)]
+    generate(default_model, seqs)
+    return prompts, eos, [s.output_ids for s in seqs]
+
+
+@pytest.mark.parametrize("method", ["ngram", "lyanna", "lyanna-unfused"])
+def test_speculative_greedy_equals_plain(method, default_model, plain_outputs) -> None:
+    prompts, eos, expected = plain_outputs
+    drafter = make_drafter(method, default_model, DraftBudget(depth=4, top_k=4, max_tokens=12))
+    engine = SpecEngine(default_model, drafter, EngineConfig(max_batch=2, max_len=1024))
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=48), eos) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        engine.submit(seq)
+    stats = engine.run()
+    assert [s.output_ids for s in seqs] == expected
+    assert stats.num_drafted > 0
