@@ -185,6 +185,7 @@ def train(config: TrainConfig) -> dict:
     log = (work / "log.jsonl").open("a")
     started = time.perf_counter()
     tokens_seen = 0
+    last: dict[str, float] = {}
     model.train()
     while step < config.max_steps:
         if consumed >= len(plan):
@@ -196,6 +197,7 @@ def train(config: TrainConfig) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss, metrics = model.loss(batch)
+        last = {k: round(v, 4) for k, v in metrics.items()}
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.grad_clip))
@@ -226,6 +228,7 @@ def train(config: TrainConfig) -> dict:
         "train_tokens": sum(lengths),
         "val_sequences": len(val_seqs),
         "seconds_this_run": round(time.perf_counter() - started, 1),
+        "train_last_batch": last,
         "val": val,
     }
     log.write(json.dumps({"final": record}) + "\n")
