@@ -20,7 +20,7 @@ import torch
 
 from lyanna.tree import DraftScheme, TokenTree
 from lyanna.verify.base import Branch, RuleBase, Verdict, draw_rows, make_verdict
-from lyanna.verify.chain import ChainGroup, group_chains, next_token_probs
+from lyanna.verify.chain import ChainGroup, Workspace, group_chains, next_token_probs
 
 
 def capped_log_weights(
@@ -48,6 +48,7 @@ class _BlockFamily(RuleBase):
         self,
         weighted: torch.Tensor,  # [batch, g, vocab] w_t p_{t+1} - q_{t+1}; may be overwritten
         one_minus_w: torch.Tensor,  # [batch, g] float64
+        workspace: Workspace,
     ) -> torch.Tensor:  # [batch, g] float64 h_0..h_{g-1}
         raise NotImplementedError
 
@@ -59,7 +60,7 @@ class _BlockFamily(RuleBase):
         raise NotImplementedError
 
     def _acceptance(
-        self, group: ChainGroup
+        self, group: ChainGroup, workspace: Workspace
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [batch, g + 1] h, [batch, g + 1] float64 w
         g = group.length
         batch = len(group.indices)
@@ -70,11 +71,12 @@ class _BlockFamily(RuleBase):
         weights = log_w.exp()
         one_minus_w = -torch.expm1(log_w)  # accurate for w near 1 (§7.4)
         dtype = group.target_probs.dtype
-        weighted = torch.mul(group.target_probs[:, :g], weights[:, :g, None].to(dtype))
+        weighted = workspace.get("weighted", group.draft_probs.shape, dtype)
+        torch.mul(group.target_probs[:, :g], weights[:, :g, None].to(dtype), out=weighted)
         weighted.sub_(group.draft_probs)  # [batch, g, vocab] w_t p_{t+1} - q_{t+1}
         h = torch.cat(
             [
-                self._branch_h(weighted, one_minus_w[:, :g]),
+                self._branch_h(weighted, one_minus_w[:, :g], workspace),
                 self._full_draft_h(log_ratio, log_max)[:, None],
             ],
             dim=1,
@@ -89,7 +91,7 @@ class _BlockFamily(RuleBase):
     ) -> torch.Tensor:  # [num_nodes] float64 h_0..h_g (h_0 = 1)
         self.check(tree, target_probs)
         (group,) = group_chains([tree], [target_probs])
-        return self._acceptance(group)[0][0]
+        return self._acceptance(group, Workspace())[0][0]
 
     def _verify_batch(
         self,
@@ -98,8 +100,9 @@ class _BlockFamily(RuleBase):
         generator: torch.Generator | None,
     ) -> list[Verdict]:
         verdicts: list[Verdict | None] = [None] * len(trees)
+        workspace = Workspace()
         for group in group_chains(trees, target_probs):
-            h, weights = self._acceptance(group)
+            h, weights = self._acceptance(group, workspace)
             g = group.length
             u = torch.rand(len(group.indices), g, generator=generator, dtype=torch.float64)
             success = u < h[:, 1:]  # [batch, g] one uniform per position, strict <
@@ -121,7 +124,7 @@ class _BlockFamily(RuleBase):
         target_probs: torch.Tensor,  # [num_nodes, vocab]
     ) -> list[Branch]:
         (group,) = group_chains([tree], [target_probs])
-        h, weights = self._acceptance(group)
+        h, weights = self._acceptance(group, Workspace())
         g = group.length
         drafts = None if g == 0 else group.draft_probs.expand(g + 1, -1, -1)
         every_tau = torch.arange(g + 1)  # one row per possible outcome
@@ -153,6 +156,7 @@ class BlockVerification(_BlockFamily):
         self,
         weighted: torch.Tensor,  # [batch, g, vocab] w_t p_{t+1} - q_{t+1}; may be overwritten
         one_minus_w: torch.Tensor,  # [batch, g] float64
+        workspace: Workspace,
     ) -> torch.Tensor:
         total = weighted.clamp_min_(0.0).sum(dim=-1).double()  # S_t
         denominator = total + one_minus_w  # S + (1 - w), never (S + 1) - w (§7.4)
@@ -180,9 +184,11 @@ class HSD(_BlockFamily):
         self,
         weighted: torch.Tensor,  # [batch, g, vocab] w_t p_{t+1} - q_{t+1}; may be overwritten
         one_minus_w: torch.Tensor,  # [batch, g] float64
+        workspace: Workspace,
     ) -> torch.Tensor:
-        excess = weighted.clamp_min(0.0).sum(dim=-1).double()  # D*(p, q) / q(X_1:t)
-        deficit = weighted.neg_().clamp_min_(0.0).sum(dim=-1).double()  # D*(q, p) / q(X_1:t)
+        positive = workspace.get("positive", weighted.shape, weighted.dtype)
+        excess = torch.clamp_min(weighted, 0.0, out=positive).sum(dim=-1).double()  # D*(p,q)/q(X)
+        deficit = weighted.neg_().clamp_min_(0.0).sum(dim=-1).double()  # D*(q,p)/q(X)
         larger = torch.maximum(excess, deficit)
         return torch.where(larger > 0, excess / larger.clamp_min(1e-300), 0.0)
 
