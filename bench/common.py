@@ -11,15 +11,16 @@ from pathlib import Path
 SPEC_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "eval" / "spec_bench.jsonl"
 
 
-def load_questions(path: Path = SPEC_BENCH, per_category: int = 1) -> list[dict]:
-    """The first ``per_category`` questions of each category (first turn only)."""
+def load_questions(path: Path = SPEC_BENCH, per_category: int | None = 1) -> list[dict]:
+    """The first ``per_category`` questions of each category (all when None), in file order."""
     counts: dict[str, int] = {}
     picked = []
     with path.open() as f:
         for line in f:
             row = json.loads(line)
-            if counts.get(row["category"], 0) < per_category:
-                counts[row["category"]] = counts.get(row["category"], 0) + 1
+            seen = counts.get(row["category"], 0)
+            if per_category is None or seen < per_category:
+                counts[row["category"]] = seen + 1
                 picked.append(row)
     return picked
 

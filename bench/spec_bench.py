@@ -19,7 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.common import SPEC_BENCH, print_table
+from bench.common import SPEC_BENCH, load_questions, print_table
 from lyanna.drafters import DRAFTERS, DraftBudget, make_drafter
 from lyanna.engine import EngineConfig, SpecEngine
 from lyanna.model import fetch_default_model, load_model
@@ -68,18 +68,6 @@ class Tally:
             "verify_share": self.stats.verify_seconds / spent,
             "output_tokens": self.output_tokens,
         }
-
-
-def load_questions(path: Path, per_category: int | None) -> list[dict]:
-    counts: dict[str, int] = defaultdict(int)
-    rows = []
-    with path.open() as f:
-        for line in f:
-            row = json.loads(line)
-            if per_category is None or counts[row["category"]] < per_category:
-                counts[row["category"]] += 1
-                rows.append(row)
-    return rows
 
 
 def run_batch(
