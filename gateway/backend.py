@@ -1,0 +1,79 @@
+"""The contract between the HTTP gateway and whatever generates tokens.
+
+The gateway owns the request lifecycle (parsing, tokenizing, streaming, metrics); a
+``GenerationBackend`` turns one tokenized request into a stream of ``TokenDelta`` events.
+Two backends implement it: the embedded one (drafter and verifier in this process, for a
+laptop) and the remote one (drafter and verifier gRPC services, asynchronous pipeline).
+Backends never touch Prometheus: each delta carries the speculation facts of the
+verification that produced it, and the gateway records them (one registry of names).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from lyanna.sampling import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    method: str | None = None  # a name from lyanna.drafters.DRAFTERS; None = server default
+
+
+@dataclass(frozen=True, slots=True)
+class StepFacts:
+    """What one verification of this request did (for metrics and ``lyanna chat``)."""
+
+    method: str
+    num_drafted: int  # draft nodes verified (tree size minus the root)
+    num_accepted: int  # accepted draft tokens; acceptance length = num_accepted + 1
+    num_resampled_accepted: int = 0  # accepted tokens that came from a re-sampled subtree
+    draft_seconds: float = 0.0  # time spent drafting for the micro-batch holding this request
+    verify_seconds: float = 0.0  # time of the verification forward for that micro-batch
+    drafter_fallback: bool = False  # the drafter was down or late: target-only step
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """Newly committed output tokens of one request (empty when only a finish arrives)."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    step: StepFacts | None = None  # None for the first token (it comes from prefill)
+    prompt_tokens: int = 0  # set on the first delta
+    extra: dict = field(default_factory=dict)
+
+
+class BackendUnavailable(RuntimeError):
+    """The verifier (or the embedded engine) cannot serve: the gateway answers 503."""
+
+
+class BackendBusy(RuntimeError):
+    """The waiting queue is full: the gateway answers 429."""
+
+
+@runtime_checkable
+class GenerationBackend(Protocol):
+    max_context: int  # prompt + max_tokens must fit (the gateway answers 400 otherwise)
+    default_method: str
+    methods: tuple[str, ...]  # methods a request may choose
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None:
+        """Drain in-flight requests, then free resources."""
+        ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        """Stream deltas until one has a finish_reason. Closing the iterator early (client
+        disconnect) cancels the request and frees its state everywhere."""
+        ...
+
+    async def health(self) -> dict[str, str]:
+        """Component -> "ok" | an error message."""
+        ...
