@@ -1,0 +1,1 @@
+"""HTTP gateway: OpenAI-compatible API in front of the drafter and verifier."""
