@@ -22,7 +22,7 @@ from lyanna.sampling import greedy_or_sample, logits_to_probs
 from lyanna.sequence import Sequence
 from lyanna.stats import SpecStats
 from lyanna.tree import TokenTree, pack_trees
-from lyanna.verify import AcceptanceRule, get_rule, rule_for
+from lyanna.verify import AcceptanceRule, Verdict, get_rule, rule_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +41,7 @@ class EngineConfig:
 class Emitted:
     sequence: Sequence
     tokens: list[int]  # newly emitted output tokens (may be empty when EOS ended it)
+    verdict: Verdict | None = None  # the verification behind them; None for the prefill token
 
 
 class SpecEngine:
@@ -83,6 +84,18 @@ class SpecEngine:
             self._retire(seq_id)
         return emitted
 
+    def abort(self, seq_id: int) -> bool:
+        """Drop a waiting or running sequence (its client went away): frees its KV slot and
+        drafter state. Returns whether the sequence was known."""
+        for seq in self.waiting:
+            if seq.seq_id == seq_id:
+                self.waiting.remove(seq)
+                return True
+        if seq_id in self.running:
+            self._retire(seq_id)
+            return True
+        return False
+
     def _rule(self, sequence: Sequence) -> AcceptanceRule:
         if self.config.rule is not None and not sequence.params.greedy:
             return get_rule(self.config.rule)
@@ -118,7 +131,7 @@ class SpecEngine:
             seq, slot = self.running[seq_id], self.slots[seq_id]
             self.cache.commit(slot, verdict.path)
             self.stats.record(verdict)
-            emitted.append(Emitted(seq, seq.append(verdict.tokens)))
+            emitted.append(Emitted(seq, seq.append(verdict.tokens), verdict))
             committed = [int(tree.tokens[i]) for i in verdict.path]
             path_hidden = hidden[row, verdict.path] if self.drafter.needs_hidden else None
             updates.append(
