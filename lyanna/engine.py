@@ -13,16 +13,13 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-import torch
-
-from lyanna.decode import prefill
 from lyanna.drafters.base import Drafter, NoDrafter, VerifiedStep
+from lyanna.kv_cache import KVCache
 from lyanna.model.transformer import Transformer
-from lyanna.sampling import greedy_or_sample, logits_to_probs
 from lyanna.sequence import Sequence
 from lyanna.stats import SpecStats
-from lyanna.tree import TokenTree, pack_trees
-from lyanna.verify import AcceptanceRule, Verdict, get_rule, rule_for
+from lyanna.target import TargetConfig, TargetRunner
+from lyanna.verify import Verdict
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,11 +51,21 @@ class SpecEngine:
         self.model = model
         self.drafter = drafter or NoDrafter()
         self.config = config or EngineConfig()
-        self.cache = model.new_cache(self.config.max_batch, self.config.max_len)
+        self.target = TargetRunner(
+            model, TargetConfig(self.config.max_batch, self.config.max_len, self.config.rule)
+        )
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
-        self.slots: dict[int, int] = {}
         self.stats = SpecStats()
+
+    @property
+    def cache(self) -> KVCache:
+        return self.target.cache
+
+    @property
+    def slots(self) -> dict[int, int]:
+        """Running sequence id -> its target KV slot."""
+        return {seq_id: self.target.slot(seq_id) for seq_id in self.running}
 
     def submit(self, sequence: Sequence) -> None:
         longest = len(sequence.prompt_ids) + sequence.params.max_tokens + 64
@@ -96,26 +103,20 @@ class SpecEngine:
             return True
         return False
 
-    def _rule(self, sequence: Sequence) -> AcceptanceRule:
-        if self.config.rule is not None and not sequence.params.greedy:
-            return get_rule(self.config.rule)
-        return rule_for(self.drafter.scheme, sequence.params.greedy)
-
     def _admit(self) -> list[Emitted]:
         emitted = []
         while self.waiting and len(self.running) < self.config.max_batch:
             seq = self.waiting.popleft()
             start = time.perf_counter()
-            slot = self.cache.allocate()
-            hidden = prefill(self.model, seq, self.cache, slot)
-            first = int(greedy_or_sample(self.model.logits(hidden[-1:]), seq.params, seq.generator))
+            prefilled = self.target.prefill(seq.seq_id, seq.prompt_ids, seq.params, seq.generator)
+            first = prefilled.first_token
             self.stats.prefill_seconds += time.perf_counter() - start
             self.stats.num_prefill_tokens += len(seq.prompt_ids)
-            self.running[seq.seq_id], self.slots[seq.seq_id] = seq, slot
+            self.running[seq.seq_id] = seq
             emitted.append(Emitted(seq, seq.append([first])))
             if not seq.finished:
                 start = time.perf_counter()
-                prompt_hidden = hidden if self.drafter.needs_hidden else None
+                prompt_hidden = prefilled.hidden if self.drafter.needs_hidden else None
                 self.drafter.start(seq.seq_id, seq.prompt_ids, prompt_hidden, first)
                 self.stats.draft_seconds += time.perf_counter() - start
         return emitted
@@ -125,23 +126,20 @@ class SpecEngine:
         start = time.perf_counter()
         trees = self.drafter.propose(seq_ids)
         verify_start = time.perf_counter()
-        verdicts, hidden = self._verify(seq_ids, trees)
+        results = self.target.verify(seq_ids, trees, return_hidden=self.drafter.needs_hidden)
         updates, emitted = [], []
-        for row, (seq_id, tree, verdict) in enumerate(zip(seq_ids, trees, verdicts, strict=True)):
-            seq, slot = self.running[seq_id], self.slots[seq_id]
-            self.cache.commit(slot, verdict.path)
+        for seq_id, result in zip(seq_ids, results, strict=True):
+            seq, verdict = self.running[seq_id], result.verdict
             self.stats.record(verdict)
             emitted.append(Emitted(seq, seq.append(verdict.tokens), verdict))
-            committed = [int(tree.tokens[i]) for i in verdict.path]
-            path_hidden = hidden[row, verdict.path] if self.drafter.needs_hidden else None
             updates.append(
                 VerifiedStep(
                     seq_id=seq_id,
-                    committed=committed,
-                    hidden=path_hidden,
+                    committed=result.committed,
+                    hidden=result.hidden,
                     next_token=verdict.tokens[-1],
                     num_accepted=verdict.num_accepted,
-                    num_committed=int(self.cache.lengths[slot]),
+                    num_committed=result.num_committed,
                 )
             )
         feedback_start = time.perf_counter()
@@ -151,21 +149,7 @@ class SpecEngine:
         self.stats.verify_seconds += feedback_start - verify_start
         return emitted
 
-    def _verify(self, seq_ids: list[int], trees: list[TokenTree]):
-        slots = torch.tensor([self.slots[s] for s in seq_ids])
-        packed = pack_trees(trees, self.cache.lengths[slots])
-        hidden = self.model(packed.tokens, packed.positions, self.cache, slots, packed.mask)
-        logits = self.model.logits(hidden)  # [B, n_max, vocab]
-        verdicts = []
-        for row, (seq_id, tree) in enumerate(zip(seq_ids, trees, strict=True)):
-            seq = self.running[seq_id]
-            rows = logits[row, : tree.num_nodes]
-            if not seq.params.greedy:
-                rows = logits_to_probs(rows, seq.params.temperature, seq.params.top_p)
-            verdicts.append(self._rule(seq)(tree, rows, seq.generator))
-        return verdicts, hidden
-
     def _retire(self, seq_id: int) -> None:
         self.running.pop(seq_id)
-        self.cache.release(self.slots.pop(seq_id))
+        self.target.release(seq_id)
         self.drafter.release(seq_id)

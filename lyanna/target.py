@@ -1,0 +1,177 @@
+"""The target side of speculative decoding: the model, its KV cache and the acceptance rules.
+
+``TargetRunner`` owns per-sequence target state (a KV slot, the sampling parameters, the
+generator and the *next token*: the root of the next tree, decided but not yet in the KV). It
+prefills a prompt (first token + prompt hidden states), verifies a batch of token trees in one
+packed forward (one ``Verdict`` per sequence, accepted KV rows committed, hidden states of the
+accepted path), and releases sequences. The in-process ``SpecEngine`` and the verifier service
+both drive this one class, so the oracle and the service verify with the same code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lyanna.decode import prefill as prefill_prompt
+from lyanna.model.transformer import Transformer
+from lyanna.sampling import SamplingParams, greedy_or_sample, logits_to_probs
+from lyanna.sequence import Sequence
+from lyanna.tree import TokenTree, pack_trees
+from lyanna.verify import AcceptanceRule, Verdict, get_rule, rule_for
+
+
+class UnknownSequenceError(KeyError):
+    """The sequence id has no target state (never prefilled, or released)."""
+
+
+class OutOfStepError(ValueError):
+    """A caller's view of a sequence (committed length, next token) disagrees with ours."""
+
+
+@dataclass(frozen=True, slots=True)
+class TargetConfig:
+    max_seqs: int = 8  # KV slots: sequences that can be in flight at once
+    max_len: int = 4096  # KV rows per sequence (prompt + output + one tree)
+    rule: str | None = None  # acceptance rule by name at temperature > 0; None = the
+    #                          default lossless rule of each tree's draft scheme
+
+    def __post_init__(self) -> None:
+        if self.max_seqs < 1 or self.max_len < 2:
+            raise ValueError("max_seqs must be >= 1 and max_len >= 2")
+        if self.rule is not None:
+            get_rule(self.rule)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Prefilled:
+    first_token: int  # the first output token: root of the first tree
+    hidden: torch.Tensor  # [prompt_len, hidden] final hidden states of the prompt
+    num_committed: int  # tokens in the target KV (the prompt)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Verified:
+    verdict: Verdict
+    committed: list[int]  # tokens that entered the KV this step: old root + accepted drafts
+    hidden: torch.Tensor | None  # [len(committed), hidden] their final hidden states
+    num_committed: int  # tokens in the target KV after the commit
+
+
+@dataclass(slots=True, eq=False)
+class _TargetSeq:
+    slot: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    next_token: int
+
+
+class TargetRunner:
+    def __init__(self, model: Transformer, config: TargetConfig | None = None) -> None:
+        self.model = model
+        self.config = config or TargetConfig()
+        self.cache = model.new_cache(self.config.max_seqs, self.config.max_len)
+        self._seqs: dict[int, _TargetSeq] = {}
+
+    @property
+    def max_len(self) -> int:
+        return self.cache.max_len
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.cache.num_free_slots
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def slot(self, seq_id: int) -> int:
+        return self._state(seq_id).slot
+
+    def num_committed(self, seq_id: int) -> int:
+        return int(self.cache.lengths[self._state(seq_id).slot])
+
+    def next_token(self, seq_id: int) -> int:
+        return self._state(seq_id).next_token
+
+    def prefill(
+        self,
+        seq_id: int,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> Prefilled:
+        """Fill a fresh slot with the prompt and decide the first token (``generator``
+        defaults to one made from ``params``; the runner keeps it for later verifications)."""
+        if seq_id in self._seqs:
+            raise OutOfStepError(f"sequence {seq_id} is already prefilled")
+        if not prompt_ids:
+            raise ValueError("the prompt must hold at least one token")
+        if generator is None and not params.greedy:
+            generator = params.make_generator()
+        slot = self.cache.allocate()
+        try:
+            shell = Sequence(seq_id, prompt_ids, params, generator=generator)
+            hidden = prefill_prompt(self.model, shell, self.cache, slot)  # [P, hidden]
+        except Exception:
+            self.cache.release(slot)
+            raise
+        first = int(greedy_or_sample(self.model.logits(hidden[-1:]), params, generator))
+        self._seqs[seq_id] = _TargetSeq(slot, params, generator, first)
+        return Prefilled(first, hidden, len(prompt_ids))
+
+    def verify(
+        self,
+        seq_ids: list[int],
+        trees: list[TokenTree],
+        return_hidden: bool = False,
+    ) -> list[Verified]:
+        """One target forward over all trees, the acceptance rule per sequence, and the KV
+        commit of each accepted path. Every tree's root must be the sequence's next token."""
+        states = [self._state(s) for s in seq_ids]
+        for seq_id, state, tree in zip(seq_ids, states, trees, strict=True):
+            if int(tree.tokens[0]) != state.next_token:
+                raise OutOfStepError(
+                    f"sequence {seq_id}: tree root {int(tree.tokens[0])} is not the next "
+                    f"token {state.next_token}"
+                )
+        slots = torch.tensor([s.slot for s in states])
+        packed = pack_trees(trees, self.cache.lengths[slots])
+        hidden = self.model(packed.tokens, packed.positions, self.cache, slots, packed.mask)
+        logits = self.model.logits(hidden)  # [B, n_max, vocab]
+        results = []
+        for row, (state, tree) in enumerate(zip(states, trees, strict=True)):
+            rows = logits[row, : tree.num_nodes]  # [num_nodes, vocab]
+            if not state.params.greedy:
+                rows = logits_to_probs(rows, state.params.temperature, state.params.top_p)
+            verdict = self._rule(state.params, tree)(tree, rows, state.generator)
+            self.cache.commit(state.slot, verdict.path)
+            state.next_token = verdict.tokens[-1]
+            results.append(
+                Verified(
+                    verdict=verdict,
+                    committed=[int(tree.tokens[i]) for i in verdict.path],
+                    hidden=hidden[row, verdict.path] if return_hidden else None,
+                    num_committed=int(self.cache.lengths[state.slot]),
+                )
+            )
+        return results
+
+    def release(self, seq_id: int) -> bool:
+        """Free the sequence's slot; False when it was not known."""
+        state = self._seqs.pop(seq_id, None)
+        if state is None:
+            return False
+        self.cache.release(state.slot)
+        return True
+
+    def _rule(self, params: SamplingParams, tree: TokenTree) -> AcceptanceRule:
+        if self.config.rule is not None and not params.greedy:
+            return get_rule(self.config.rule)
+        return rule_for(tree.scheme, params.greedy)
+
+    def _state(self, seq_id: int) -> _TargetSeq:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise UnknownSequenceError(f"unknown sequence {seq_id}") from None
