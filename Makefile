@@ -4,7 +4,7 @@ PIP     := .venv/bin/pip
 STAMP   := .venv/.installed
 PROMPT  ?= Explain speculative decoding in two sentences.
 
-.PHONY: install run test test-fast lint format bench model clean
+.PHONY: install run test test-fast lint format bench model proto clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -20,6 +20,9 @@ model: $(STAMP)          ## fetch the default model once into $$LYANNA_CACHE (de
 
 run: model               ## the main job: a chat answer from the default model
 	$(PY) -m lyanna.cli generate --prompt "$(PROMPT)"
+
+proto: $(STAMP)          ## regenerate services/pb from proto/ (committed; a test checks they are current)
+	$(PY) -m services.protogen
 
 lint: $(STAMP)
 	.venv/bin/ruff check .
