@@ -33,6 +33,7 @@ class TrainConfig:
     ce_weight: float = 0.2  # cross-entropy against the target's (hot-vocab) distribution
     prompt_weight: float = 0.25  # loss weight of prompt positions (answer positions: 1)
     hot_vocab_size: int = 8192
+    student_layers: int = 3  # SPS: decoder layers of the distilled student
     # bookkeeping
     val_sequences: int = 64  # held-out sequences (the last ones of the data)
     log_every: int = 10

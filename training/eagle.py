@@ -21,7 +21,7 @@ from torch import nn
 
 from lyanna.drafters.eagle_head import EagleConfig, EagleHead
 from lyanna.model.config import ModelConfig
-from lyanna.model.transformer import apply_rope
+from training.block_forward import attend, attention_inputs, block_output
 from training.config import TrainConfig
 from training.losses import FrozenTarget, TrainBatch, composite_loss, target_rows
 
@@ -58,24 +58,6 @@ class EagleTrainModel(nn.Module):
         head.hot_vocab.copy_(target.hot_vocab)
         return cls(head, target, config)
 
-    def _attention_inputs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [B, T, d] -> q [B, heads, T, hd], k and v [B, kv_heads, T, hd]."""
-        attn = self.head.layer.attention
-        B, T, _ = x.shape
-        hd, n_q, n_kv = attn.head_dim, attn.num_heads, attn.num_kv_heads
-        qkv = attn.wqkv(self.head.layer.attention_norm(x))
-        q = qkv[..., : n_q * hd].view(B, T, n_q, hd).transpose(1, 2)
-        k = qkv[..., n_q * hd : (n_q + n_kv) * hd].view(B, T, n_kv, hd).transpose(1, 2)
-        v = qkv[..., (n_q + n_kv) * hd :].view(B, T, n_kv, hd).transpose(1, 2)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def _finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """Residual + output projection + MLP: x [B, T, d], attended [B, heads, T, hd]."""
-        layer = self.head.layer
-        B, T, _ = x.shape
-        x = x + layer.attention.wo(attended.transpose(1, 2).reshape(B, T, -1))
-        return x + layer.feed_forward(layer.ffn_norm(x))
-
     def unroll(
         self,
         tokens: torch.Tensor,  # [B, T + 1] int64
@@ -83,8 +65,7 @@ class EagleTrainModel(nn.Module):
         num_steps: int,
     ) -> list[torch.Tensor]:  # num_steps x [B, T, d]: step k's prediction of h_{i+1}
         """Predictions of every unrolled step (see the module docstring)."""
-        attn = self.head.layer.attention
-        group = attn.num_heads // attn.num_kv_heads
+        layer = self.head.layer
         embeds = F.embedding(tokens[:, 1:], self.target.embedding)  # [B, T, d]
         T = embeds.shape[1]
         cos = self.head.rope_cos[:T][None, None]  # [1, 1, T, hd]
@@ -95,19 +76,14 @@ class EagleTrainModel(nn.Module):
         predictions = []
         for step in range(1, num_steps + 1):
             x = self.head.fuse(feature, embeds)
-            q, k, v = self._attention_inputs(x, cos, sin)
+            q, k, v = attention_inputs(layer, x, cos, sin)
             keys.append(k)
             values.append(v)
             shifts = [0] + [step - 1 - m for m in range(1, step)]
             key_all = torch.cat([shift_right(t, s) for t, s in zip(keys, shifts, strict=True)], 2)
             val_all = torch.cat([shift_right(t, s) for t, s in zip(values, shifts, strict=True)], 2)
-            attended = F.scaled_dot_product_attention(
-                q,
-                key_all.repeat_interleave(group, dim=1),
-                val_all.repeat_interleave(group, dim=1),
-                attn_mask=unrolled_mask(T, step),
-            )
-            predictions.append(self._finish(x, attended))
+            attended = attend(layer, q, key_all, val_all, unrolled_mask(T, step))
+            predictions.append(block_output(layer, x, attended))
             feature = shift_right(predictions[-1], 1)
         return predictions
 

@@ -17,6 +17,7 @@ from training.config import TrainConfig
 from training.eagle import EagleTrainModel
 from training.losses import FrozenTarget, TrainBatch
 from training.lyanna import LyannaTrainModel
+from training.sps import SpsTrainModel
 
 
 class DraftTrainModel(Protocol):
@@ -40,6 +41,7 @@ MODELS: Mapping[str, type] = MappingProxyType(
     {
         "eagle": EagleTrainModel,
         "lyanna": LyannaTrainModel,
+        "sps": SpsTrainModel,
     }
 )
 

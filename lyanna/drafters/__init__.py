@@ -31,6 +31,12 @@ def _eagle(model: Transformer, budget: DraftBudget) -> Drafter:
     return EagleDrafter(model, budget=budget)
 
 
+def _sps(model: Transformer, budget: DraftBudget) -> Drafter:
+    from lyanna.drafters.sps import SpsDrafter
+
+    return SpsDrafter.from_checkpoint(model, budget=budget)
+
+
 def _lyanna_variant(resample_enabled: bool, fusion: bool) -> DrafterFactory:
     def factory(model: Transformer, budget: DraftBudget) -> Drafter:
         from lyanna.drafters.lyanna import LyannaDrafter, ResampleConfig
@@ -45,6 +51,7 @@ DRAFTERS: Mapping[str, DrafterFactory] = MappingProxyType(
     {
         "ar": _ar,
         "ngram": _ngram,
+        "sps": _sps,
         "eagle": _eagle,
         "lyanna": _lyanna_variant(resample_enabled=True, fusion=True),
         "lyanna-unfused": _lyanna_variant(resample_enabled=True, fusion=False),

@@ -15,21 +15,18 @@ recipe). Loading checks the sha256 and never unpickles anything.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
+from lyanna.drafters.checkpoint import read_checkpoint
 from lyanna.model.config import ModelConfig
-from lyanna.model.default import sha256_of
 from lyanna.model.transformer import Block, rope_tables
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "eagle2-smollm2-135m"
-WEIGHTS = "model.safetensors"
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,17 +111,8 @@ def load_eagle_head(
     path: str | Path = DEFAULT_CHECKPOINT, dtype: torch.dtype = torch.float32
 ) -> EagleHead:
     """Load a checkpoint directory (sha256-checked against its manifest)."""
-    path = Path(path)
-    weights = path / WEIGHTS
-    if not weights.is_file():
-        raise FileNotFoundError(f"no EAGLE checkpoint at {path}")
-    manifest_file = path / "manifest.json"
-    if manifest_file.is_file():
-        expected = json.loads(manifest_file.read_text()).get("sha256", {}).get(WEIGHTS)
-        if expected is not None and sha256_of(weights) != expected:
-            raise ValueError(f"sha256 mismatch for {weights}")
-    config = EagleConfig.from_dict(json.loads((path / "config.json").read_text()))
-    state = load_file(weights)
+    values, state = read_checkpoint(path, "EAGLE")
+    config = EagleConfig.from_dict(values)
     head = EagleHead(config)
     head.load_state_dict(state)
     return head.to(dtype).eval()

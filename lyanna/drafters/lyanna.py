@@ -12,14 +12,13 @@ token (no new forward) and the subtree is either merged into the next verificati
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from lyanna.drafters.base import DraftBudget, VerifiedStep
+from lyanna.drafters.checkpoint import read_checkpoint
 from lyanna.drafters.lyanna_model import LyannaDraftConfig, LyannaDraftModel
 from lyanna.drafters.token_info_tree import build_subtree, resample_subtree
 from lyanna.kv_cache import KVCache
@@ -75,10 +74,9 @@ class LyannaDrafter:
     def from_checkpoint(
         cls, target: Transformer, path: Path = DEFAULT_CHECKPOINT, **kwargs
     ) -> LyannaDrafter:
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"no Lyanna checkpoint at {path} (see training/README.md)")
-        config = LyannaDraftConfig.from_dict(json.loads((path / "config.json").read_text()))
-        state = {k: v.float() for k, v in load_file(path / "model.safetensors").items()}
+        values, state = read_checkpoint(path, "Lyanna")
+        config = LyannaDraftConfig.from_dict(values)
+        state = {k: v.float() for k, v in state.items()}
         draft = LyannaDraftModel(config, target.embed_tokens.weight, state["hot_ids"].long())
         draft.load_state_dict(state, strict=True)
         prepack_linears(draft.layer)

@@ -113,11 +113,11 @@ def test_runtime_matches_unrolled_training_forward() -> None:
     drafter = EagleDrafter(model, head, DraftBudget(3, 2, 8), max_sequences=1, max_len=64)
     drafter.start(0, tokens[0, :P].tolist(), hidden[0, :P], int(tokens[0, P]))
     state = drafter._seqs[0]
-    torch.testing.assert_close(state.root_feature, steps[0][0, P - 1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state.root_state, steps[0][0, P - 1], atol=1e-4, rtol=1e-4)
     lengths, slots = drafter.cache.lengths[[state.slot]].clone(), torch.tensor([state.slot])
     with torch.inference_mode():
         depth1 = drafter._tree_forward(
-            lengths, slots, 1, state.root_feature[None, None], tokens[:, P + 1 : P + 2], [[[]]]
+            lengths, slots, 1, state.root_state[None, None], tokens[:, P + 1 : P + 2], [[[]]]
         )
         depth2 = drafter._tree_forward(
             lengths, slots, 2, depth1, tokens[:, P + 2 : P + 3], [[[int(lengths[0])]]]
