@@ -75,5 +75,7 @@ class GenerationBackend(Protocol):
         ...
 
     async def health(self) -> dict[str, str]:
-        """Component -> "ok" | an error message."""
+        """Component -> "ok" | "degraded: <why>" (still serving, e.g. one method or the
+        drafter is out and requests fall back) | an error message (the gateway's /health
+        answers 503 when any component reports an error)."""
         ...

@@ -1,4 +1,5 @@
-"""The ``lyanna`` command line: fetch the default model, answer a chat prompt."""
+"""The ``lyanna`` command line: fetch the default model, answer one chat prompt, serve the
+OpenAI-compatible API (``serve``) and chat with it from a terminal (``chat``)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,54 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from gateway.server import run_serve
+
+    return run_serve(args)
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from gateway.chat import ChatOptions, run_chat
+
+    options = ChatOptions(
+        url=args.url,
+        api_key=args.api_key,
+        model=args.model,
+        method=args.method,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        system=args.system,
+    )
+    return run_chat(options, args.prompt)
+
+
+def _add_serve(sub) -> None:
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    serve.add_argument("--mode", choices=("embedded", "services"), default="embedded")
+    serve.add_argument("--host", help="default 127.0.0.1 (env LYANNA_HOST)")
+    serve.add_argument("--port", type=int, help="default 8000 (env LYANNA_PORT)")
+    serve.add_argument("--method", default="lyanna", help="default speculative method")
+    serve.add_argument("--model", help="an HF directory or .gguf (default: SmolLM2-135M)")
+    serve.add_argument("--max-batch", type=int, default=8, help="running sequences per engine")
+    serve.add_argument("--max-len", type=int, default=2048, help="KV rows per sequence")
+    serve.add_argument("--max-waiting", type=int, default=64, help="queue bound (then 429)")
+    serve.add_argument("--log-level", default="info")
+    serve.set_defaults(func=_cmd_serve)
+
+
+def _add_chat(sub) -> None:
+    chat = sub.add_parser("chat", help="chat with a running server (streams, shows tokens/s)")
+    chat.add_argument("--url", default="http://127.0.0.1:8000/v1")
+    chat.add_argument("--api-key", default="none")
+    chat.add_argument("--model", help="default: the first model the server lists")
+    chat.add_argument("--method", help="speculative method for these requests")
+    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--prompt", help="ask once and exit (default: interactive)")
+    chat.set_defaults(func=_cmd_chat)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lyanna", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -66,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.set_defaults(func=_cmd_generate)
+    _add_serve(sub)
+    _add_chat(sub)
     return parser
 
 
@@ -73,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
+    except (ValueError, OSError, RuntimeError) as err:
         print(f"lyanna: error: {err}", file=sys.stderr)
         return 2
 

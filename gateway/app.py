@@ -1,0 +1,257 @@
+"""The OpenAI-compatible HTTP API (FastAPI): chat and text completions (streaming as SSE),
+models, health and Prometheus metrics, in front of any ``GenerationBackend``.
+
+The gateway owns the request lifecycle: it validates and tokenizes (``intake``), waits for the
+first delta before answering (so a full queue is a 429 and a dead backend a 503, never a
+broken stream), streams text with stop strings applied (``generation``), and records metrics.
+An ASGI guard in front of every route checks the API key (``LYANNA_API_KEYS``) on ``/v1/``
+and bounds the body size. The method of one request may be chosen with the
+``X-Lyanna-Method`` header or the ``lyanna_method`` body field.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from gateway.backend import GenerationBackend, TokenDelta
+from gateway.config import GatewayConfig
+from gateway.errors import APIError, error_response, install_error_handlers, invalid
+from gateway.generation import ClientGone, Generation, unless_disconnected
+from gateway.intake import METHOD_HEADER, Prepared, RequestBuilder
+from gateway.metrics import GatewayMetrics, RequestTracker
+from gateway.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_chunk,
+    chat_response,
+    completion_response,
+    new_id,
+    usage,
+)
+from gateway.text import TextStream, make_detokenize
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+class Guard:
+    """ASGI middleware: API keys on ``/v1/`` routes and a bound on request body bytes."""
+
+    def __init__(self, app, config: GatewayConfig) -> None:
+        self.app, self.config = app, config
+        self._keys = [key.encode() for key in config.api_keys]
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers", ()))
+        if self._keys and scope["path"].startswith("/v1/") and not self._authorized(headers):
+            response = error_response(
+                401,
+                "Incorrect or missing API key.",
+                None,
+                "invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+            await response(scope, receive, send)
+            return
+        limit = self.config.max_body_bytes
+        declared = headers.get(b"content-length", b"0")
+        if not declared.isdigit() or int(declared) > limit:
+            message = f"request body exceeds {limit} bytes" if declared.isdigit() else "bad length"
+            await error_response(413, message, None, "request_too_large")(scope, receive, send)
+            return
+        received = 0
+
+        async def bounded_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise HTTPException(413, f"request body exceeds {limit} bytes")
+            return message
+
+        await self.app(scope, bounded_receive, send)
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
+        key = key.strip()
+        return scheme.lower() == b"bearer" and any(hmac.compare_digest(key, k) for k in self._keys)
+
+
+def create_app(
+    backend: GenerationBackend,
+    tokenizer: Any,
+    config: GatewayConfig,
+    on_ready: Callable[[], None] | None = None,
+) -> FastAPI:
+    """The app; ``on_ready`` runs once the backend has started (the CLI prints the URL)."""
+    metrics = GatewayMetrics(config.model_name, config.mode)
+    builder = RequestBuilder(backend, tokenizer, config)
+    created = int(time.time())
+
+    detokenize = make_detokenize(tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await backend.start()
+        metrics.prime(backend.default_method)
+        if on_ready is not None:
+            on_ready()
+        yield
+        await backend.stop()
+
+    app = FastAPI(title="Lyanna", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(Guard, config=config)
+    install_error_handlers(app)
+    app.state.metrics, app.state.backend = metrics, backend
+
+    async def start(request: Request, prepared: Prepared) -> Generation:
+        """Queue the request and wait for its first delta (errors here become 4xx/5xx)."""
+        tracker = RequestTracker(metrics, prepared.method)
+        deltas = backend.generate(prepared.request)
+        try:
+            first: TokenDelta = await unless_disconnected(request, anext(deltas))
+        except ValueError as err:
+            tracker.finish("error")
+            raise invalid(str(err)) from err
+        except BaseException:
+            tracker.finish("error")
+            raise
+        stop = prepared.request.params.stop
+        return Generation(deltas, first, TextStream(detokenize, stop), tracker)
+
+    def headers(prepared: Prepared, generation: Generation | None = None) -> dict[str, str]:
+        out = {"X-Lyanna-Method": prepared.method, "X-Request-Id": prepared.request.request_id}
+        if generation is not None:
+            out["X-Lyanna-Acceptance-Length"] = f"{generation.tracker.acceptance_length:.4f}"
+        return out
+
+    def usage_of(generation: Generation) -> dict:
+        tracker = generation.tracker
+        return usage(
+            tracker.num_prompt_tokens, tracker.num_output_tokens, generation.spec_summary()
+        )
+
+    async def respond(
+        request: Request,
+        prepared: Prepared,
+        stream: bool,
+        include_usage: bool,
+        whole: Callable[[str, Generation], dict],
+        chunks: Callable[[Generation, bool], AsyncIterator[str]],
+    ) -> Response:
+        try:
+            generation = await start(request, prepared)
+            if stream:
+                return StreamingResponse(
+                    chunks(generation, include_usage),
+                    media_type="text/event-stream",
+                    headers={**headers(prepared), "Cache-Control": "no-cache"},
+                )
+            text = await unless_disconnected(request, generation.collect())
+        except ClientGone:
+            return Response(status_code=499)
+        return JSONResponse(whole(text, generation), headers=headers(prepared, generation))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        prepared = await builder.chat(body, request.headers.get(METHOD_HEADER))
+        rid = new_id("chatcmpl")
+
+        def whole(text: str, generation: Generation) -> dict:
+            finish = generation.finish_reason or "stop"
+            return chat_response(rid, config.model_name, text, finish, usage_of(generation))
+
+        async def chunks(generation: Generation, include_usage: bool) -> AsyncIterator[str]:
+            def chunk(delta: dict | None, finish: str | None = None, use=None) -> str:
+                return sse(chat_chunk(rid, config.model_name, delta, finish, use, include_usage))
+
+            yield chunk({"role": "assistant", "content": ""})
+            try:
+                async for piece in generation.texts():
+                    yield chunk({"content": piece})
+            except (APIError, RuntimeError, ValueError) as err:
+                yield sse({"error": {"message": str(err), "type": "server_error", "code": None}})
+                yield SSE_DONE
+                return
+            yield chunk({}, generation.finish_reason)
+            if include_usage:
+                yield chunk(None, None, usage_of(generation))
+            yield SSE_DONE
+
+        return await respond(request, prepared, body.stream, body.include_usage, whole, chunks)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        prepared = await builder.completion(body, request.headers.get(METHOD_HEADER))
+        rid = new_id("cmpl")
+
+        def whole(text: str, generation: Generation) -> dict:
+            finish = generation.finish_reason or "stop"
+            return completion_response(rid, config.model_name, text, finish, usage_of(generation))
+
+        async def chunks(generation: Generation, include_usage: bool) -> AsyncIterator[str]:
+            try:
+                async for piece in generation.texts():
+                    yield sse(completion_response(rid, config.model_name, piece, None, None))
+            except (APIError, RuntimeError, ValueError) as err:
+                yield sse({"error": {"message": str(err), "type": "server_error", "code": None}})
+                yield SSE_DONE
+                return
+            finish = generation.finish_reason
+            yield sse(completion_response(rid, config.model_name, "", finish, None))
+            if include_usage:
+                final = completion_response(rid, config.model_name, "", None, usage_of(generation))
+                final["choices"] = []
+                yield sse(final)
+            yield SSE_DONE
+
+        return await respond(request, prepared, body.stream, body.include_usage, whole, chunks)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model}")
+    async def get_model(model: str) -> dict:
+        if model != config.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+        return model_card()
+
+    def model_card() -> dict:
+        return {
+            "id": config.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "lyanna",
+            "max_model_len": backend.max_context,
+            "lyanna_methods": list(backend.methods),
+            "lyanna_default_method": backend.default_method,
+        }
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        components = await backend.health()
+        serving = all(v == "ok" or v.startswith("degraded:") for v in components.values())
+        body = {"status": "ok" if serving else "unavailable", "components": components}
+        return JSONResponse(body, status_code=200 if serving else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        content, content_type = metrics.exposition()
+        return Response(content, media_type=content_type)
+
+    return app

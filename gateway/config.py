@@ -1,0 +1,69 @@
+"""Gateway settings: one frozen dataclass built from command-line flags and ``LYANNA_*``
+environment variables (flags win), validated once. Every size the HTTP surface accepts is
+bounded here."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+from lyanna.sampling import MAX_STOP_STRINGS
+
+MODES = ("embedded", "services")
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    mode: str = "embedded"  # "embedded" | "services"; also the ``service`` metrics label
+    model_name: str = "SmolLM2-135M-Instruct"  # the one model /v1/models lists
+    api_keys: tuple[str, ...] = ()  # empty = no authentication
+    max_body_bytes: int = 1 << 20
+    max_messages: int = 128
+    max_prompt_tokens: int = 4096  # also bounded by the backend's context
+    max_output_tokens: int = 2048  # largest max_tokens a request may ask for
+    default_max_tokens: int = 512  # when a request names none (clipped to the context)
+    max_stop_strings: int = 4
+    max_stop_chars: int = 64
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if any(not key or key != key.strip() for key in self.api_keys):
+            raise ValueError("API keys must be non-empty and carry no surrounding spaces")
+        positive = (
+            "max_body_bytes",
+            "max_messages",
+            "max_prompt_tokens",
+            "max_output_tokens",
+            "default_max_tokens",
+            "max_stop_chars",
+        )
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if not 0 <= self.max_stop_strings <= MAX_STOP_STRINGS:
+            raise ValueError(f"max_stop_strings must be in [0, {MAX_STOP_STRINGS}]")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> GatewayConfig:
+        """``LYANNA_<FIELD>`` variables (``LYANNA_API_KEYS`` is comma-separated), then the
+        non-None ``overrides`` (command-line flags)."""
+        environ = os.environ if environ is None else environ
+        values: dict = {}
+        for f in fields(cls):
+            raw = environ.get(f"LYANNA_{f.name.upper()}")
+            if raw is None:
+                continue
+            if f.name == "api_keys":
+                values[f.name] = tuple(k.strip() for k in raw.split(",") if k.strip())
+            elif isinstance(f.default, int):
+                values[f.name] = int(raw)
+            else:
+                values[f.name] = raw
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)

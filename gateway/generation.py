@@ -1,0 +1,87 @@
+"""One request's generation as the routes see it: backend deltas become text deltas (stop
+strings applied by ``TextStream``), metrics are recorded as deltas arrive, and the backend
+iterator is always closed, so a client that leaves (cancelled stream, disconnected
+non-streaming request) aborts the sequence in the backend."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+import anyio
+from starlette.requests import Request
+
+from gateway.backend import TokenDelta
+from gateway.metrics import RequestTracker
+from gateway.text import TextStream
+
+T = TypeVar("T")
+DISCONNECT_POLL_SECONDS = 0.25
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the answer was ready."""
+
+
+class Generation:
+    def __init__(
+        self,
+        deltas: AsyncIterator[TokenDelta],
+        first: TokenDelta,
+        text: TextStream,
+        tracker: RequestTracker,
+    ) -> None:
+        self._deltas, self._first = deltas, first
+        self.text, self.tracker = text, tracker
+        self.finish_reason: str | None = None
+
+    async def texts(self) -> AsyncIterator[str]:
+        """Text deltas until the request finishes; ``finish_reason`` is set at the end."""
+        delta = self._first
+        try:
+            while True:
+                piece = self.text.push(delta.token_ids)
+                self.tracker.on_delta(delta, len(delta.token_ids))
+                if piece:
+                    yield piece
+                if self.text.stopped or delta.finish_reason is not None:
+                    self.finish_reason = "stop" if self.text.stopped else delta.finish_reason
+                    break
+                delta = await anext(self._deltas)
+            tail = self.text.flush()
+            if tail:
+                yield tail
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._deltas.aclose()
+            self.tracker.finish(self.finish_reason or "abort")
+
+    async def collect(self) -> str:
+        return "".join([piece async for piece in self.texts()])
+
+    def spec_summary(self) -> dict:
+        tracker = self.tracker
+        return {
+            "method": tracker.method,
+            "acceptance_length": round(tracker.acceptance_length, 4),
+            "num_verifications": tracker.num_steps,
+            "num_draft_tokens": tracker.num_drafted,
+            "num_accepted_tokens": tracker.num_accepted,
+        }
+
+
+async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable`` but cancel it (raising ``ClientGone``) if the client disconnects."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

@@ -1,0 +1,243 @@
+"""The one registry of Prometheus names the gateway exports (prefix ``lyanna_``).
+
+Semantics follow vLLM's speculative-decoding and request metrics. Every *verification* of one
+request is a draft step (including steps whose drafter proposed nothing, so that
+``1 + accepted_tokens_total / draft_steps_total`` is the mean acceptance length, as in
+``lyanna.stats.SpecStats``); position ``p`` of
+``lyanna_spec_accepted_tokens_per_position_total`` counts steps whose draft token at depth
+``p + 1`` was accepted. Backends never touch Prometheus: the gateway records what each
+``TokenDelta`` carries. Every series has the labels ``method``, ``model`` and ``service``
+(the deployment mode: ``embedded`` or ``services``). Each ``GatewayMetrics`` owns its own
+``CollectorRegistry``, so two gateways in one process (tests) never collide.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from gateway.backend import StepFacts, TokenDelta
+
+LABELS = ("method", "model", "service")
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+ACCEPTANCE_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
+MAX_POSITIONS = 32  # per-position series beyond this depth are folded into the last one
+
+
+class GatewayMetrics:
+    """Every metric the gateway exports, with helpers that record one event each."""
+
+    def __init__(self, model: str, service: str) -> None:
+        self.model, self.service = model, service
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.draft_steps = Counter(
+            "lyanna_spec_draft_steps_total", "Verifications (draft steps).", LABELS, registry=r
+        )
+        self.draft_tokens = Counter(
+            "lyanna_spec_draft_tokens_total", "Draft tokens verified.", LABELS, registry=r
+        )
+        self.accepted_tokens = Counter(
+            "lyanna_spec_accepted_tokens_total", "Draft tokens accepted.", LABELS, registry=r
+        )
+        self.accepted_per_position = Counter(
+            "lyanna_spec_accepted_tokens_per_position_total",
+            "Draft tokens accepted at each depth (position 0 = depth 1).",
+            (*LABELS, "position"),
+            registry=r,
+        )
+        self.resampled_accepted = Counter(
+            "lyanna_spec_resampled_accepted_tokens_total",
+            "Accepted tokens only a re-sampled (fused) subtree proposed (Lyanna).",
+            LABELS,
+            registry=r,
+        )
+        self.acceptance_length = Histogram(
+            "lyanna_spec_acceptance_length",
+            "Tokens emitted per verification (accepted + 1).",
+            LABELS,
+            buckets=ACCEPTANCE_BUCKETS,
+            registry=r,
+        )
+        self.draft_latency = Histogram(
+            "lyanna_spec_draft_latency_seconds",
+            "Drafting time of the micro-batch holding a request, per verification.",
+            LABELS,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.verify_latency = Histogram(
+            "lyanna_spec_verify_latency_seconds",
+            "Verification forward time of the micro-batch holding a request.",
+            LABELS,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.drafter_fallbacks = Counter(
+            "lyanna_spec_drafter_fallback_total",
+            "Target-only steps taken because the drafter was down or late.",
+            LABELS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "lyanna_request_time_to_first_token_seconds",
+            "Time from request arrival to its first output token.",
+            LABELS,
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "lyanna_request_inter_token_latency_seconds",
+            "Time between consecutive output deltas of a request.",
+            LABELS,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.time_per_output_token = Histogram(
+            "lyanna_request_time_per_output_token_seconds",
+            "Per request: (e2e - ttft) / (output tokens - 1).",
+            LABELS,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e_latency = Histogram(
+            "lyanna_request_e2e_latency_seconds",
+            "Time from request arrival to its last token.",
+            LABELS,
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.running = Gauge(
+            "lyanna_num_requests_running", "Requests generating tokens.", LABELS, registry=r
+        )
+        self.waiting = Gauge(
+            "lyanna_num_requests_waiting",
+            "Requests waiting for their first token.",
+            LABELS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "lyanna_prompt_tokens_total", "Prompt tokens of admitted requests.", LABELS, registry=r
+        )
+        self.generation_tokens = Counter(
+            "lyanna_generation_tokens_total", "Output tokens sent.", LABELS, registry=r
+        )
+        self.requests = Counter(
+            "lyanna_request_success_total",
+            "Finished requests by finish reason (stop, length, abort).",
+            (*LABELS, "finish_reason"),
+            registry=r,
+        )
+
+    def labels(self, method: str) -> dict[str, str]:
+        return {"method": method, "model": self.model, "service": self.service}
+
+    def prime(self, method: str) -> None:
+        """Create the unlabelled-by-position series of ``method`` at zero, so dashboards and
+        scrapes see every name before the first request."""
+        labels = self.labels(method)
+        for metric in (
+            self.draft_steps,
+            self.draft_tokens,
+            self.accepted_tokens,
+            self.resampled_accepted,
+            self.drafter_fallbacks,
+            self.running,
+            self.waiting,
+            self.prompt_tokens,
+            self.generation_tokens,
+        ):
+            metric.labels(**labels)
+
+    def record_step(self, step: StepFacts) -> None:
+        """One verification of one request."""
+        labels = self.labels(step.method)
+        self.draft_steps.labels(**labels).inc()
+        self.draft_tokens.labels(**labels).inc(step.num_drafted)
+        self.accepted_tokens.labels(**labels).inc(step.num_accepted)
+        for position in range(step.num_accepted):
+            position_label = str(min(position, MAX_POSITIONS - 1))
+            self.accepted_per_position.labels(**labels, position=position_label).inc()
+        if step.num_resampled_accepted:
+            self.resampled_accepted.labels(**labels).inc(step.num_resampled_accepted)
+        self.acceptance_length.labels(**labels).observe(step.num_accepted + 1)
+        self.draft_latency.labels(**labels).observe(step.draft_seconds)
+        self.verify_latency.labels(**labels).observe(step.verify_seconds)
+        if step.drafter_fallback:
+            self.drafter_fallbacks.labels(**labels).inc()
+
+    def exposition(self) -> tuple[bytes, str]:
+        """The text exposition format and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+@dataclass(slots=True)
+class RequestTracker:
+    """One request's lifecycle in the metrics (waiting -> running -> finished) and its
+    speculation summary for the response's usage block."""
+
+    metrics: GatewayMetrics
+    method: str
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    last_delta_at: float | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_steps: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    finished: bool = False
+
+    def __post_init__(self) -> None:
+        self.metrics.waiting.labels(**self.metrics.labels(self.method)).inc()
+
+    @property
+    def acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted / self.num_steps if self.num_steps else 1.0
+
+    def on_delta(self, delta: TokenDelta, num_sent_tokens: int) -> None:
+        """A delta from the backend; ``num_sent_tokens`` of its tokens reach the client."""
+        m, labels, now = self.metrics, self.metrics.labels(self.method), time.perf_counter()
+        if delta.prompt_tokens:
+            self.num_prompt_tokens = delta.prompt_tokens
+            m.prompt_tokens.labels(**labels).inc(delta.prompt_tokens)
+        if delta.step is not None:
+            self.num_steps += 1
+            self.num_drafted += delta.step.num_drafted
+            self.num_accepted += delta.step.num_accepted
+            m.record_step(delta.step)
+        if num_sent_tokens:
+            if self.first_token_at is None:
+                self.first_token_at = now
+                m.ttft.labels(**labels).observe(now - self.arrival)
+                m.waiting.labels(**labels).dec()
+                m.running.labels(**labels).inc()
+            elif self.last_delta_at is not None:
+                m.inter_token_latency.labels(**labels).observe(now - self.last_delta_at)
+            self.last_delta_at = now
+            self.num_output_tokens += num_sent_tokens
+            m.generation_tokens.labels(**labels).inc(num_sent_tokens)
+
+    def finish(self, finish_reason: str) -> None:
+        """The request ended (normally, by error or by the client leaving); idempotent."""
+        if self.finished:
+            return
+        self.finished = True
+        m, labels, now = self.metrics, self.metrics.labels(self.method), time.perf_counter()
+        (m.running if self.first_token_at is not None else m.waiting).labels(**labels).dec()
+        m.requests.labels(**labels, finish_reason=finish_reason).inc()
+        m.e2e_latency.labels(**labels).observe(now - self.arrival)
+        if self.first_token_at is not None and self.num_output_tokens > 1:
+            decode_seconds = now - self.first_token_at
+            per_token = decode_seconds / (self.num_output_tokens - 1)
+            m.time_per_output_token.labels(**labels).observe(per_token)

@@ -1,0 +1,84 @@
+"""Incremental detokenization with stop strings for streaming.
+
+Output ids arrive in deltas of several tokens (one verification each). ``TextStream`` decodes
+the whole output each time and hands out only text that can no longer change: it holds back a
+trailing incomplete UTF-8 character (decoded as U+FFFD) and any suffix that could still grow
+into a stop string, and cuts the text before the first stop string (OpenAI semantics: the
+stop string itself is not returned). Example with ``stop=("END",)``: deltas decoding to
+``"abc E"`` then ``"abc EN"`` then ``"abc ENDx"`` yield ``"abc "``, ``""``, ``""`` and the
+stream is stopped with final text ``"abc "``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+REPLACEMENT = "\ufffd"
+Detokenize = Callable[[list[int]], str]
+
+
+def make_detokenize(tokenizer: Any) -> Detokenize:
+    """The one decoding the gateway and the backends share (stop strings must agree)."""
+
+    def detokenize(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    return detokenize
+
+
+class TextStream:
+    def __init__(self, detokenize: Detokenize, stop: tuple[str, ...] = ()):
+        self._detokenize = detokenize
+        self._stop = stop
+        self._longest_stop = max((len(s) for s in stop), default=0)
+        self.token_ids: list[int] = []
+        self.text = ""  # everything handed out so far
+        self.stopped = False  # a stop string was found; nothing more will be handed out
+
+    def push(self, token_ids: list[int]) -> str:
+        """Add tokens; returns the newly stable text (possibly empty)."""
+        if self.stopped:
+            return ""
+        self.token_ids.extend(token_ids)
+        full = self._detokenize(self.token_ids)
+        cut = self._find_stop(full)
+        if cut is not None:
+            self.stopped = True
+            return self._hand_out(full[:cut])
+        end = len(full.rstrip(REPLACEMENT))
+        end -= self._partial_stop_suffix(full[:end])
+        return self._hand_out(full[:end])
+
+    def flush(self) -> str:
+        """The request finished: hand out whatever was held back."""
+        if self.stopped:
+            return ""
+        full = self._detokenize(self.token_ids)
+        cut = self._find_stop(full)
+        self.stopped = cut is not None
+        return self._hand_out(full if cut is None else full[:cut])
+
+    def _hand_out(self, stable: str) -> str:
+        if not stable.startswith(self.text) or len(stable) <= len(self.text):
+            return ""  # the decoder revised earlier text (rare); never send it twice
+        delta = stable[len(self.text) :]
+        self.text = stable
+        return delta
+
+    def _find_stop(self, full: str) -> int | None:
+        if not self._stop:
+            return None
+        start = max(0, len(self.text) - self._longest_stop)
+        hits = [i for s in self._stop if (i := full.find(s, start)) >= 0]
+        return min(hits) if hits else None
+
+    def _partial_stop_suffix(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+        longest = 0
+        for stop in self._stop:
+            for k in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:k]):
+                    longest = k
+                    break
+        return longest
