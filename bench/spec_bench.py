@@ -19,10 +19,13 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from bench.common import SPEC_BENCH, load_questions, print_table
 from lyanna.drafters import DRAFTERS, DraftBudget, make_drafter
 from lyanna.engine import EngineConfig, SpecEngine
 from lyanna.model import fetch_default_model, load_model
+from lyanna.model.transformer import Transformer
 from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence
 from lyanna.stats import SpecStats
@@ -36,10 +39,12 @@ class Tally:
     output_tokens: int = 0
     seconds: float = 0.0
     prefill_seconds: float = 0.0
+    resampled_accepted: int = 0  # tokens accepted from re-sampled subtrees (Lyanna)
     stats: SpecStats = field(default_factory=SpecStats)
 
     def add(self, other: Tally) -> None:
         self.output_tokens += other.output_tokens
+        self.resampled_accepted += other.resampled_accepted
         self.seconds += other.seconds
         self.prefill_seconds += other.prefill_seconds
         self.stats.merge(other.stats)
@@ -64,6 +69,9 @@ class Tally:
             else None,
             "tau": self.stats.acceptance_length,
             "cond_accept": self.stats.conditional_acceptance,
+            "resampled_share": self.resampled_accepted / self.output_tokens
+            if self.output_tokens
+            else 0.0,
             "draft_share": self.stats.draft_seconds / spent,
             "verify_share": self.stats.verify_seconds / spent,
             "output_tokens": self.output_tokens,
@@ -74,72 +82,73 @@ def run_batch(
     engine_factory, prompts: list[list[int]], params: SamplingParams, eos
 ) -> tuple[Tally, list[list[int]]]:
     engine = engine_factory()
+    resampled_before = getattr(engine.drafter, "num_resampled_accepted", 0)
     seqs = [Sequence(i, p, params, eos) for i, p in enumerate(prompts)]
     start = time.perf_counter()
     for seq in seqs:
         engine.submit(seq)
     stats = engine.run()
     seconds = time.perf_counter() - start
-    tally = Tally(sum(len(s.output_ids) for s in seqs), seconds, stats.prefill_seconds, stats)
+    tally = Tally(sum(len(s.output_ids) for s in seqs), seconds, stats.prefill_seconds)
+    tally.stats = stats
+    tally.resampled_accepted = (
+        getattr(engine.drafter, "num_resampled_accepted", 0) - resampled_before
+    )
     return tally, [s.output_ids for s in seqs]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--method", action="append", dest="methods", help="repeatable")
-    parser.add_argument("--methods", dest="methods_csv", help="comma list or 'all'")
-    parser.add_argument("--questions", type=Path, default=SPEC_BENCH)
-    parser.add_argument("--limit-per-category", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--depth", type=int, default=5)
-    parser.add_argument("--top-k", type=int, default=4)
-    parser.add_argument("--budget", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+@dataclass(frozen=True, slots=True)
+class BenchSetup:
+    """The target, its tokenizer and the chat-formatted prompts by Spec-Bench category."""
 
-    methods = list(args.methods or [])
-    if args.methods_csv:
-        methods += list(DRAFTERS) if args.methods_csv == "all" else args.methods_csv.split(",")
-    methods = ["ar"] + [m for m in dict.fromkeys(methods or ["ngram"]) if m != "ar"]
-    model_dir = fetch_default_model()
-    model = load_model(model_dir)
-    tokenizer = load_tokenizer(model_dir)
-    eos = frozenset({tokenizer.eos_token_id})
-    budget = DraftBudget(depth=args.depth, top_k=args.top_k, max_tokens=args.budget)
-    params = SamplingParams(
-        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
-    )
-    questions = load_questions(args.questions, args.limit_per_category)
-    by_category: dict[str, list[list[int]]] = defaultdict(list)
-    for q in questions:
-        by_category[q["category"]].append(
-            chat_prompt_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}])
-        )
-    longest = max(len(p) for ps in by_category.values() for p in ps)
+    model: Transformer
+    eos: frozenset[int]
+    prompts: dict[str, list[list[int]]]
+
+    @classmethod
+    def load(cls, questions: Path = SPEC_BENCH, per_category: int | None = 4) -> BenchSetup:
+        model_dir = fetch_default_model()
+        tokenizer = load_tokenizer(model_dir)
+        by_category: dict[str, list[list[int]]] = defaultdict(list)
+        for q in load_questions(questions, per_category):
+            by_category[q["category"]].append(
+                chat_prompt_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}])
+            )
+        return cls(load_model(model_dir), frozenset({tokenizer.eos_token_id}), dict(by_category))
+
+    @property
+    def num_prompts(self) -> int:
+        return sum(len(p) for p in self.prompts.values())
+
+
+def run_methods(
+    setup: BenchSetup,
+    methods: list[str],
+    batch_size: int,
+    params: SamplingParams,
+    budget: DraftBudget,
+    log: bool = True,
+) -> dict[str, dict]:
+    """Every method over every prompt (AR first: speedups and mismatches are against it)."""
+    methods = ["ar"] + [m for m in dict.fromkeys(methods) if m != "ar"]
+    longest = max(len(p) for ps in setup.prompts.values() for p in ps)
     config = EngineConfig(
-        max_batch=args.batch_size, max_len=longest + args.max_tokens + 2 * args.budget + 64
+        max_batch=batch_size, max_len=longest + params.max_tokens + 2 * budget.max_tokens + 64
     )
-
+    warmup_prompt = next(iter(setup.prompts.values()))[0]
     results: dict[str, dict] = {}
     ar_outputs: dict[str, list[list[int]]] = {}
     ar_tallies: dict[str, Tally] = {}
     for method in methods:
-        drafter = make_drafter(method, model, budget)
-        factory = lambda d=drafter: SpecEngine(model, d, config)  # noqa: E731
-        run_batch(
-            factory, [by_category[next(iter(by_category))][0]], params.__class__(max_tokens=16), eos
-        )  # warm-up
+        drafter = make_drafter(method, setup.model, budget)
+        factory = lambda d=drafter: SpecEngine(setup.model, d, config)  # noqa: E731
+        run_batch(factory, [warmup_prompt], SamplingParams(max_tokens=16), setup.eos)
         overall, per_cat, mismatches = Tally(), {}, 0
-        for category, prompts in by_category.items():
+        for category, prompts in setup.prompts.items():
             tally = Tally()
             outputs: list[list[int]] = []
-            for i in range(0, len(prompts), args.batch_size):
-                part, outs = run_batch(factory, prompts[i : i + args.batch_size], params, eos)
+            for i in range(0, len(prompts), batch_size):
+                part, outs = run_batch(factory, prompts[i : i + batch_size], params, setup.eos)
                 tally.add(part)
                 outputs += outs
             if method == "ar":
@@ -150,11 +159,12 @@ def main() -> None:
                 )
             per_cat[category] = tally.summary(ar_tallies.get(category))
             overall.add(tally)
-            print(
-                f"  {method:8s} {category:24s} {tally.tokens_per_s:6.2f} tok/s"
-                f"  tau {tally.stats.acceptance_length:.2f}",
-                flush=True,
-            )
+            if log:
+                print(
+                    f"  {method:8s} {category:24s} {tally.tokens_per_s:6.2f} tok/s"
+                    f"  tau {tally.stats.acceptance_length:.2f}",
+                    flush=True,
+                )
         ar_overall = Tally()
         for t in ar_tallies.values():
             ar_overall.add(t)
@@ -164,12 +174,10 @@ def main() -> None:
             "greedy_mismatches": mismatches if params.greedy else None,
         }
         results[method].update(results[method]["overall"])
+    return results
 
-    print(
-        f"\nSpec-Bench: {len(questions)} prompts, batch {args.batch_size}, T={args.temperature}, "
-        f"max {args.max_tokens} tokens, tree depth {args.depth} top-k {args.top_k} "
-        f"budget {args.budget}\n"
-    )
+
+def print_results(results: dict[str, dict]) -> None:
     print_table(
         [
             "method",
@@ -197,7 +205,45 @@ def main() -> None:
             for m, r in results.items()
         ],
     )
-    categories = list(by_category)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--method", action="append", dest="methods", help="repeatable")
+    parser.add_argument("--methods", dest="methods_csv", help="comma list or 'all'")
+    parser.add_argument("--questions", type=Path, default=SPEC_BENCH)
+    parser.add_argument("--limit-per-category", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--depth", type=int, default=5)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--budget", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    methods = list(args.methods or [])
+    if args.methods_csv:
+        methods += list(DRAFTERS) if args.methods_csv == "all" else args.methods_csv.split(",")
+    setup = BenchSetup.load(args.questions, args.limit_per_category)
+    budget = DraftBudget(depth=args.depth, top_k=args.top_k, max_tokens=args.budget)
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
+    )
+    results = run_methods(setup, methods or ["ngram"], args.batch_size, params, budget)
+    print(
+        f"\nSpec-Bench: {setup.num_prompts} prompts, batch {args.batch_size}, "
+        f"T={args.temperature}, max {args.max_tokens} tokens, tree depth {args.depth} "
+        f"top-k {args.top_k} budget {args.budget}\n"
+    )
+    print_results(results)
+    categories = list(setup.prompts)
     print("\nSpeedup (end-to-end) per category:\n")
     print_table(
         ["method", *categories],
@@ -206,6 +252,12 @@ def main() -> None:
             for m, r in results.items()
         ],
     )
+    if any(r["resampled_share"] for r in results.values()):
+        print("\nShare of emitted tokens accepted from re-sampled subtrees:\n")
+        print_table(
+            ["method", "resampled share"],
+            [[m, r["resampled_share"]] for m, r in results.items() if m.startswith("lyanna")],
+        )
     if args.json:
         args.json.write_text(
             json.dumps(

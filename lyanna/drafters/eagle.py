@@ -44,7 +44,7 @@ class EagleDrafter(DynamicTreeDrafter):
         target: Transformer,
         head: EagleHead | None = None,
         budget: DraftBudget | None = None,
-        max_sequences: int = 8,
+        max_sequences: int = 16,
         max_len: int = 4096,
     ) -> None:
         self.budget = budget or DraftBudget()
