@@ -39,14 +39,16 @@ class HiddenStates(_message.Message):
     def __init__(self, tensor: _Optional[_Union[Tensor, _Mapping]] = ..., plane: _Optional[_Union[PlaneRef, _Mapping]] = ...) -> None: ...
 
 class PlaneRef(_message.Message):
-    __slots__ = ("transfer_id", "row_offset", "num_rows")
+    __slots__ = ("transfer_id", "row_offset", "num_rows", "total_rows")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     ROW_OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_ROWS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: int
     row_offset: int
     num_rows: int
-    def __init__(self, transfer_id: _Optional[int] = ..., row_offset: _Optional[int] = ..., num_rows: _Optional[int] = ...) -> None: ...
+    total_rows: int
+    def __init__(self, transfer_id: _Optional[int] = ..., row_offset: _Optional[int] = ..., num_rows: _Optional[int] = ..., total_rows: _Optional[int] = ...) -> None: ...
 
 class SeqRef(_message.Message):
     __slots__ = ("seq_id", "num_committed")

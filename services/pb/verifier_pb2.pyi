@@ -96,7 +96,7 @@ class CapacityRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CapacityResponse(_message.Message):
-    __slots__ = ("free_slots", "total_slots", "max_len", "vocab_size", "hidden_size", "model", "hidden_dtype")
+    __slots__ = ("free_slots", "total_slots", "max_len", "vocab_size", "hidden_size", "model", "hidden_dtype", "reserved_rows")
     FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SLOTS_FIELD_NUMBER: _ClassVar[int]
     MAX_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class CapacityResponse(_message.Message):
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_ROWS_FIELD_NUMBER: _ClassVar[int]
     free_slots: int
     total_slots: int
     max_len: int
@@ -111,4 +112,5 @@ class CapacityResponse(_message.Message):
     hidden_size: int
     model: str
     hidden_dtype: str
-    def __init__(self, free_slots: _Optional[int] = ..., total_slots: _Optional[int] = ..., max_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., model: _Optional[str] = ..., hidden_dtype: _Optional[str] = ...) -> None: ...
+    reserved_rows: int
+    def __init__(self, free_slots: _Optional[int] = ..., total_slots: _Optional[int] = ..., max_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., model: _Optional[str] = ..., hidden_dtype: _Optional[str] = ..., reserved_rows: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,485 @@
+"""The remote backend: drafter and verifier gRPC services behind ``GenerationBackend``.
+
+Scheduling (all on the event loop, async gRPC clients, a deadline on every call):
+
+- *Admission*: waiting requests are prefilled in batches bounded by ``max_running`` and by
+  the free KV slots the verifier reports (``Capacity``); the first token streams right away.
+- *Lanes*: running sequences live in micro-batches ("lanes"). Each lane loops: drafter
+  ``Propose`` (which also hands over the lane's last verification) -> verifier ``Verify`` of
+  every tree in one forward -> stream tokens, release finished sequences. With
+  ``pipeline=True`` two lanes run concurrently, so while the verifier verifies one
+  micro-batch the drafter drafts the other (the asynchronous pipeline); ``pipeline=False``
+  runs one lane, draft then verify, for comparison.
+- *Verification fusion*: the Lyanna drafter merges the subtree re-sampled after the last
+  verification into its fresh tree under the budget, in the drafter process, which owns the
+  chain logits (the engine runs the same code); a drafter may instead return the subtree
+  apart (``Proposal.resampled``) and the verifier merges it. Either way the verified tree is
+  a deterministic candidate set, so the acceptance rule stays lossless.
+- *Fallback*: when the drafter fails or misses ``draft_deadline``, the lane verifies
+  root-only trees (plain target decoding, still exact) and retries the drafter after
+  ``drafter_retry_seconds``. A sequence whose drafter state is in doubt is started again from
+  its full committed history (tokens + hidden states kept here), so speculation recovers
+  when the drafter returns, even as a new process.
+- *Cancellation*: closing a request's iterator marks it; its lane releases it in both
+  services between steps (never while a batched call that includes it is in flight).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from gateway.backend import (
+    BackendBusy,
+    BackendUnavailable,
+    GenerationRequest,
+    StepFacts,
+    TokenDelta,
+)
+from gateway.remote_seq import RemoteSeq, root_only_tree
+from lyanna.sequence import Sequence
+from services import codec
+from services.pb import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+TARGET_ONLY = "ar"
+_STATE_ERRORS = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
+_REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteConfig:
+    verifier_addr: str
+    drafter_addr: str | None = None  # None: target-only decoding
+    method: str = "lyanna"  # the drafter service's method (its Info wins when reachable)
+    pipeline: bool = True  # two micro-batches in flight; False = draft, then verify
+    max_running: int = 8
+    max_waiting: int = 64
+    prefill_deadline: float = 120.0  # seconds, per call
+    verify_deadline: float = 60.0
+    draft_deadline: float = 10.0  # past it the step runs target-only
+    control_deadline: float = 10.0  # Start, Release, Capacity, Info
+    drafter_retry_seconds: float = 1.0
+    use_data_plane: bool = False  # hidden states verifier -> drafter over torch.distributed
+    max_message_mb: int = 64
+    drain_seconds: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_running < 1 or self.max_waiting < 1 or self.max_message_mb < 1:
+            raise ValueError("max_running, max_waiting and max_message_mb must be >= 1")
+        deadlines = (self.prefill_deadline, self.verify_deadline, self.draft_deadline)
+        if min(*deadlines, self.control_deadline) <= 0 or self.drafter_retry_seconds < 0:
+            raise ValueError("deadlines must be > 0 and drafter_retry_seconds >= 0")
+        if self.use_data_plane and self.drafter_addr is None:
+            raise ValueError("the data plane needs a drafter")
+
+    def channel_options(self) -> list[tuple[str, int]]:
+        size = self.max_message_mb * 1024 * 1024
+        return [
+            ("grpc.max_send_message_length", size),
+            ("grpc.max_receive_message_length", size),
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+        ]
+
+
+@dataclass(slots=True, eq=False)
+class _Lane:
+    seqs: list[RemoteSeq] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class RemoteBackend:
+    """``GenerationBackend`` over the gRPC services (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: RemoteConfig,
+        eos_token_ids: frozenset[int],
+        detokenize: Callable[[list[int]], str],
+    ) -> None:
+        self.config = config
+        self._eos, self._detokenize = eos_token_ids, detokenize
+        self.default_method = config.method if config.drafter_addr else TARGET_ONLY
+        self.methods = tuple(dict.fromkeys((self.default_method, TARGET_ONLY)))
+        self.max_context = 0
+        self.needs_hidden = True  # until the drafter says otherwise
+        self.budget = 0  # the drafter's max draft tokens (fusion budget)
+        self.num_plane_transfers = 0  # hidden-state hand-overs that went over the data plane
+        self.num_fallback_steps = 0
+        self.num_verified_steps = 0
+        self._ids = itertools.count(random.getrandbits(31) << 20)
+        self._waiting: deque[RemoteSeq] = deque()
+        self._lanes = [_Lane() for _ in range(2 if config.pipeline else 1)]
+        self._num_running = 0
+        self._admit = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._closing = False
+        self._drafter_down_until = 0.0
+        self._drafter_error = ""
+        self._channels: list[grpc.aio.Channel] = []
+
+    # -- GenerationBackend ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        options = self.config.channel_options()
+        channel = grpc.aio.insecure_channel(self.config.verifier_addr, options=options)
+        self._channels.append(channel)
+        self._verifier = verifier_pb2_grpc.VerifierStub(channel)
+        self._drafter = None
+        if self.config.drafter_addr:
+            channel = grpc.aio.insecure_channel(self.config.drafter_addr, options=options)
+            self._channels.append(channel)
+            self._drafter = drafter_pb2_grpc.DrafterStub(channel)
+        try:
+            capacity = await self._verifier.Capacity(
+                verifier_pb2.CapacityRequest(), timeout=self.config.control_deadline
+            )
+        except grpc.aio.AioRpcError as error:
+            where = self.config.verifier_addr
+            raise BackendUnavailable(f"verifier at {where}: {error.details()}") from None
+        self.max_context = capacity.max_len - capacity.reserved_rows
+        await self._describe_drafter()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._admit_loop(), name="remote-admit")]
+        self._tasks += [loop.create_task(self._lane_loop(lane)) for lane in self._lanes]
+
+    async def stop(self) -> None:
+        self._closing = True
+        for seq in self._waiting:
+            seq.deliver(BackendUnavailable("the backend is shutting down"))
+        self._waiting.clear()
+        self._admit.set()
+        for lane in self._lanes:
+            lane.wake.set()
+        done, pending = await asyncio.wait(self._tasks, timeout=self.config.drain_seconds)
+        for task in pending:
+            task.cancel()
+        leftovers = [s for lane in self._lanes for s in lane.seqs]
+        for seq in leftovers:
+            seq.deliver(TokenDelta([], finish_reason="abort"))
+        if leftovers:
+            await self._release(leftovers)
+        for channel in self._channels:
+            await channel.close()
+
+    async def health(self) -> dict[str, str]:
+        status = {}
+        try:
+            await self._verifier.Capacity(verifier_pb2.CapacityRequest(), timeout=2.0)
+            status["verifier"] = "ok"
+        except grpc.aio.AioRpcError as error:
+            status["verifier"] = f"{error.code().name}: {error.details()}"
+        if self._drafter is not None:
+            down = time.monotonic() < self._drafter_down_until
+            status["drafter"] = f"fallback: {self._drafter_error}" if down else "ok"
+        return status
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        if self._closing or not self._tasks:
+            raise BackendUnavailable("the remote backend is not running")
+        method = request.method or self.default_method
+        if method not in self.methods:
+            raise ValueError(f"unknown method {method!r}; known: {list(self.methods)}")
+        needed = len(request.prompt_ids) + request.params.max_tokens
+        if needed > self.max_context:
+            raise ValueError(f"prompt + max_tokens = {needed} exceeds {self.max_context}")
+        if len(self._waiting) >= self.config.max_waiting:
+            raise BackendBusy(f"{len(self._waiting)} requests are already waiting")
+        sequence = Sequence(
+            next(self._ids), list(request.prompt_ids), request.params, self._eos, self._detokenize
+        )
+        use_drafter = method != TARGET_ONLY and self._drafter is not None
+        seq = RemoteSeq(sequence, method, asyncio.Queue(), use_drafter)
+        seq.keep_hidden = use_drafter and self.needs_hidden and not self.config.use_data_plane
+        self._waiting.append(seq)
+        self._admit.set()
+        try:
+            while True:
+                item = await seq.queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            if not seq.done:
+                seq.cancelled = True
+                if seq in self._waiting:
+                    self._waiting.remove(seq)
+
+    # -- admission -------------------------------------------------------------------------
+
+    async def _describe_drafter(self) -> None:
+        if self._drafter is None:
+            return
+        try:
+            info = await self._drafter.Info(
+                drafter_pb2.InfoRequest(), timeout=self.config.control_deadline
+            )
+        except grpc.aio.AioRpcError as error:
+            self._drafter_unreachable(error)
+            return
+        self.needs_hidden, self.budget = info.needs_hidden, info.max_draft_tokens
+        self.default_method = info.method
+        self.methods = tuple(dict.fromkeys((info.method, TARGET_ONLY)))
+
+    async def _admit_loop(self) -> None:
+        while not self._closing:
+            await self._admit.wait()
+            self._admit.clear()
+            while self._waiting and not self._closing:
+                room = self.config.max_running - self._num_running
+                if room <= 0:
+                    break
+                try:
+                    capacity = await self._verifier.Capacity(
+                        verifier_pb2.CapacityRequest(), timeout=self.config.control_deadline
+                    )
+                except grpc.aio.AioRpcError as error:
+                    self._fail_waiting(error)
+                    break
+                room = min(room, capacity.free_slots)
+                if room <= 0:  # slots held elsewhere: look again shortly
+                    asyncio.get_running_loop().call_later(0.2, self._admit.set)
+                    break
+                batch = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+                await self._prefill([s for s in batch if not s.cancelled])
+
+    def _fail_waiting(self, error: grpc.aio.AioRpcError) -> None:
+        failure = BackendUnavailable(f"verifier: {error.code().name}: {error.details()}")
+        while self._waiting:
+            self._waiting.popleft().deliver(failure)
+
+    async def _prefill(self, batch: list[RemoteSeq]) -> None:
+        if not batch:
+            return
+        items = [
+            verifier_pb2.PrefillItem(
+                seq_id=s.seq_id,
+                prompt_ids=s.sequence.prompt_ids,
+                params=codec.encode_params(s.sequence.params),
+                return_hidden=s.use_drafter and self.needs_hidden,
+            )
+            for s in batch
+        ]
+        try:
+            response = await self._verifier.Prefill(
+                verifier_pb2.PrefillRequest(items=items), timeout=self.config.prefill_deadline
+            )
+        except grpc.aio.AioRpcError as error:
+            failure: Exception = BackendUnavailable(f"verifier: {error.details()}")
+            if error.code() in _REFUSED:
+                failure = ValueError(error.details())
+            for seq in batch:
+                seq.deliver(failure)
+            return
+        finished = []
+        for seq, result in zip(batch, response.results, strict=True):
+            seq.history = list(seq.sequence.prompt_ids)
+            seq.next_token = result.first_token
+            if result.prompt_hidden.WhichOneof("payload") == "tensor":
+                seq.hidden_history = [codec.decode_tensor(result.prompt_hidden.tensor)]
+            emitted = seq.sequence.append([result.first_token])
+            seq.deliver(
+                TokenDelta(
+                    emitted,
+                    seq.sequence.finish_reason,
+                    prompt_tokens=len(seq.sequence.prompt_ids),
+                )
+            )
+            self._num_running += 1
+            if seq.sequence.finished or seq.cancelled:
+                finished.append(seq)
+            else:
+                lane = min(self._lanes, key=lambda lane: len(lane.seqs))
+                lane.seqs.append(seq)
+                lane.wake.set()
+        if finished:
+            await self._release(finished)
+
+    # -- lanes -----------------------------------------------------------------------------
+
+    async def _lane_loop(self, lane: _Lane) -> None:
+        while True:
+            cancelled = [s for s in lane.seqs if s.cancelled]
+            if cancelled:
+                lane.seqs = [s for s in lane.seqs if not s.cancelled]
+                await self._release(cancelled)
+            if not lane.seqs:
+                if self._closing:
+                    return
+                lane.wake.clear()
+                await lane.wake.wait()
+                continue
+            batch = list(lane.seqs)
+            start = time.perf_counter()
+            proposals = await self._draft(batch)
+            draft_seconds = time.perf_counter() - start
+            finished = await self._verify(batch, proposals, draft_seconds)
+            if finished:
+                lane.seqs = [s for s in lane.seqs if s not in finished]
+                await self._release(finished)
+
+    async def _draft(self, batch: list[RemoteSeq]) -> dict[int, drafter_pb2.Proposal]:
+        drafted = [s for s in batch if s.use_drafter]
+        if not drafted or time.monotonic() < self._drafter_down_until:
+            return {}
+        stale = [s for s in drafted if not s.drafter_synced]
+        if stale and not await self._start_drafting(stale):
+            return {}
+        ready = [s for s in drafted if s.drafter_synced and s.use_drafter]
+        if not ready:
+            return {}
+        request = drafter_pb2.ProposeRequest(items=[s.propose_item() for s in ready])
+        try:
+            response = await self._drafter.Propose(request, timeout=self.config.draft_deadline)
+        except grpc.aio.AioRpcError as error:
+            self._drafter_failed(error, ready)
+            return {}
+        proposals = {}
+        for seq, proposal in zip(ready, response.proposals, strict=True):
+            seq.pending_step = None
+            seq.drafter_committed = proposal.ref.num_committed
+            seq.resampled_accepted += proposal.num_resampled_accepted
+            proposals[seq.seq_id] = proposal
+        return proposals
+
+    async def _start_drafting(self, seqs: list[RemoteSeq]) -> bool:
+        """(Re)start the drafter for ``seqs`` from their full history; False if it failed."""
+        for seq in seqs:
+            rows = sum(h.shape[0] for h in seq.hidden_history)
+            if self.needs_hidden and rows != seq.num_committed:
+                seq.use_drafter = False  # hidden states went over the data plane: no resync
+        seqs = [s for s in seqs if s.use_drafter]
+        deadline = self.config.control_deadline
+        try:
+            started = [s.seq_id for s in seqs if s.drafter_started]
+            if started:
+                await self._drafter.Release(
+                    common_pb2.ReleaseRequest(seq_ids=started), timeout=deadline
+                )
+            items = [s.start_item(self.needs_hidden) for s in seqs]
+            for seq in seqs:
+                seq.drafter_started = True
+            if items:
+                await self._drafter.Start(drafter_pb2.StartRequest(items=items), timeout=deadline)
+        except grpc.aio.AioRpcError as error:
+            self._drafter_failed(error, seqs)
+            return False
+        for seq in seqs:
+            seq.drafter_synced, seq.pending_step = True, None
+            seq.drafter_committed = seq.num_committed
+            if not seq.keep_hidden:
+                seq.hidden_history = []
+        return True
+
+    def _drafter_failed(self, error: grpc.aio.AioRpcError, seqs: list[RemoteSeq]) -> None:
+        for seq in seqs:
+            seq.desync()
+            if error.code() in _REFUSED:
+                seq.use_drafter = False  # it cannot hold or parse this one: target-only
+        if error.code() in _STATE_ERRORS or error.code() in _REFUSED:
+            logger.warning("drafter refused %d sequences: %s", len(seqs), error.details())
+        else:
+            self._drafter_unreachable(error)
+
+    def _drafter_unreachable(self, error: grpc.aio.AioRpcError) -> None:
+        self._drafter_error = f"{error.code().name}: {error.details()}"
+        self._drafter_down_until = time.monotonic() + self.config.drafter_retry_seconds
+        logger.warning("drafter unavailable (%s); target-only steps", self._drafter_error)
+
+    async def _verify(
+        self,
+        batch: list[RemoteSeq],
+        proposals: dict[int, drafter_pb2.Proposal],
+        draft_seconds: float,
+    ) -> list[RemoteSeq]:
+        """Verify the batch, stream its tokens; returns the sequences that finished."""
+        items = []
+        for seq in batch:
+            proposal = proposals.get(seq.seq_id)
+            tree = proposal.tree if proposal is not None else root_only_tree(seq.next_token)
+            wants_hidden = seq.use_drafter and self.needs_hidden
+            wants_hidden &= seq.keep_hidden or proposal is not None
+            item = verifier_pb2.VerifyItem(ref=seq.ref(), tree=tree, return_hidden=wants_hidden)
+            if proposal is not None and proposal.HasField("resampled"):
+                item.resampled.CopyFrom(proposal.resampled)
+                item.max_draft_tokens = self.budget
+            items.append(item)
+        request = verifier_pb2.VerifyRequest(items=items, use_data_plane=self.config.use_data_plane)
+        start = time.perf_counter()
+        try:
+            response = await self._verifier.Verify(request, timeout=self.config.verify_deadline)
+        except grpc.aio.AioRpcError as error:
+            failure = BackendUnavailable(f"verifier: {error.code().name}: {error.details()}")
+            for seq in batch:
+                seq.deliver(failure)
+            return batch
+        verify_seconds = time.perf_counter() - start
+        self.num_verified_steps += len(batch)
+        for seq, result in zip(batch, response.results, strict=True):
+            fallback = seq.use_drafter and seq.seq_id not in proposals
+            self.num_fallback_steps += fallback
+            self._learn(seq, result)
+            facts = StepFacts(
+                method=seq.method,
+                num_drafted=result.num_drafted,
+                num_accepted=result.num_accepted,
+                num_resampled_accepted=seq.resampled_accepted,
+                draft_seconds=draft_seconds,
+                verify_seconds=verify_seconds,
+                drafter_fallback=fallback,
+            )
+            seq.resampled_accepted = 0
+            emitted = seq.sequence.append(list(result.tokens))
+            seq.deliver(TokenDelta(emitted, seq.sequence.finish_reason, facts))
+        return [s for s in batch if s.sequence.finished or s.done]
+
+    def _learn(self, seq: RemoteSeq, result: verifier_pb2.VerifyResult) -> None:
+        """Record a verification: history, next token, hidden rows, the drafter's next step."""
+        seq.history.extend(result.committed)
+        seq.next_token = result.tokens[-1]
+        if seq.keep_hidden and result.hidden.WhichOneof("payload") == "tensor":
+            seq.hidden_history.append(codec.decode_tensor(result.hidden.tensor))
+        if not (seq.use_drafter and seq.drafter_synced):
+            return
+        if seq.pending_step is not None:  # the drafter missed a step: start it again
+            seq.desync()
+            return
+        seq.pending_step = drafter_pb2.VerifiedStep(
+            committed=result.committed,
+            next_token=seq.next_token,
+            num_accepted=result.num_accepted,
+        )
+        if result.HasField("hidden"):
+            seq.pending_step.hidden.CopyFrom(result.hidden)
+            self.num_plane_transfers += result.hidden.WhichOneof("payload") == "plane"
+
+    async def _release(self, seqs: list[RemoteSeq]) -> None:
+        """Forget finished or cancelled sequences in both services (best effort)."""
+        self._num_running -= len(seqs)
+        self._admit.set()
+        deadline = self.config.control_deadline
+        calls = [
+            self._verifier.Release(
+                common_pb2.ReleaseRequest(seq_ids=[s.seq_id for s in seqs]), timeout=deadline
+            )
+        ]
+        drafted = [s.seq_id for s in seqs if s.drafter_started]
+        if drafted and self._drafter is not None:
+            request = common_pb2.ReleaseRequest(seq_ids=drafted)
+            calls.append(self._drafter.Release(request, timeout=deadline))
+        for outcome in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(outcome, grpc.aio.AioRpcError):
+                logger.warning("release failed: %s", outcome.details())

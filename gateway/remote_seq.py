@@ -1,0 +1,90 @@
+"""Per-request state of the remote backend and the message builders it needs.
+
+A ``RemoteSeq`` mirrors what each service holds for one request: the committed tokens (the
+gateway's history is the source of truth), the next token, the step the drafter has not yet
+seen, whether the drafter's state is in step (``drafter_synced``) and, when the drafter reads
+hidden states, every committed token's target hidden state so a drafter that lost the
+sequence (restart, missed step, deadline) can be started again from the full history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import torch
+
+from gateway.backend import TokenDelta
+from lyanna.sequence import Sequence
+from services import codec
+from services.pb import common_pb2, drafter_pb2
+
+ROOT_ONLY_SCHEME = common_pb2.DRAFT_SCHEME_TOPK
+
+
+@dataclass(slots=True, eq=False)
+class RemoteSeq:
+    sequence: Sequence  # output tokens and stop conditions
+    method: str
+    queue: asyncio.Queue  # TokenDelta | Exception for the request's iterator
+    use_drafter: bool  # False: target-only steps ("ar", or the drafter cannot hold it)
+    history: list[int] = field(default_factory=list)  # tokens in the target KV
+    next_token: int = -1  # decided, not yet in the KV: the next root
+    hidden_history: list[torch.Tensor] = field(default_factory=list)  # each [n_i, hidden]
+    keep_hidden: bool = False  # collect hidden_history (drafter needs hidden, inline mode)
+    drafter_started: bool = False  # the drafter may hold state for it
+    drafter_synced: bool = False  # the drafter's state matches history + next_token
+    drafter_committed: int = 0  # committed length the drafter holds
+    pending_step: drafter_pb2.VerifiedStep | None = None  # last verification, unseen by it
+    resampled_accepted: int = 0  # reported by the drafter, owed to the next delta
+    cancelled: bool = False
+    done: bool = False
+
+    @property
+    def seq_id(self) -> int:
+        return self.sequence.seq_id
+
+    @property
+    def num_committed(self) -> int:
+        return len(self.history)
+
+    def ref(self, num_committed: int | None = None) -> common_pb2.SeqRef:
+        n = self.num_committed if num_committed is None else num_committed
+        return common_pb2.SeqRef(seq_id=self.seq_id, num_committed=n)
+
+    def deliver(self, item: TokenDelta | Exception) -> None:
+        if not self.done:
+            self.queue.put_nowait(item)
+            self.done = isinstance(item, Exception) or item.finish_reason is not None
+
+    def desync(self) -> None:
+        """The drafter's state for this sequence is unknown: start it again before drafting."""
+        self.drafter_synced = False
+        self.pending_step = None
+
+    def can_resync(self, needs_hidden: bool) -> bool:
+        return not needs_hidden or self.keep_hidden
+
+    def start_item(self, needs_hidden: bool) -> drafter_pb2.StartItem:
+        """Start the drafter from everything committed so far (also the first start)."""
+        item = drafter_pb2.StartItem(
+            ref=self.ref(), prompt_ids=self.history, first_token=self.next_token
+        )
+        if needs_hidden:
+            rows = torch.cat(self.hidden_history)  # [num_committed, hidden]
+            item.prompt_hidden.tensor.CopyFrom(codec.encode_tensor(rows))
+        return item
+
+    def propose_item(self) -> drafter_pb2.ProposeItem:
+        item = drafter_pb2.ProposeItem(
+            ref=self.ref(self.drafter_committed),
+            want_draft_probs=not self.sequence.params.greedy,
+        )
+        if self.pending_step is not None:
+            item.verified.CopyFrom(self.pending_step)
+        return item
+
+
+def root_only_tree(token: int) -> common_pb2.TokenTree:
+    """No draft: verifying it is one step of plain decoding (the drafter fallback)."""
+    return common_pb2.TokenTree(tokens=[token], parents=[-1], scheme=ROOT_ONLY_SCHEME)

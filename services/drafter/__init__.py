@@ -1,0 +1,1 @@
+"""The drafter service: any registered drafter and its per-sequence state behind gRPC."""

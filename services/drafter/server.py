@@ -1,0 +1,243 @@
+"""The drafter gRPC servicer: wraps any drafter of ``lyanna.drafters.DRAFTERS`` (or a custom
+factory) and tracks each sequence's committed length.
+
+Start begins a sequence from its committed tokens (+ their target hidden states) and next
+token. Propose first hands each sequence's last verification to ``drafter.on_verified``, then
+asks ``drafter.propose`` for one tree per sequence of the micro-batch. Every item's ``SeqRef``
+must match the length the drafter holds (FAILED_PRECONDITION otherwise, NOT_FOUND for an
+unknown sequence). If the drafter itself fails, the batch's sequences are dropped, so the
+caller's next call gets NOT_FOUND and re-Starts them instead of drafting from broken state.
+
+Verification fusion stays inside the drafter (``LyannaDrafter`` merges the re-sampled subtree
+of the last verification into the fresh tree under the budget): it owns the chain logits the
+subtree is re-sampled from, and the in-process engine then runs the very same code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from lyanna.drafters import DRAFTERS, DraftBudget, Drafter, VerifiedStep, make_drafter
+from lyanna.model import load_model
+from lyanna.model.transformer import Transformer
+from services import codec
+from services.config import ServerConfig, parse_configs
+from services.data_plane import DataPlane
+from services.hidden import HiddenReceiver
+from services.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
+from services.server import invalid, not_found, out_of_step, rpc_errors, serve
+
+SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+log = logging.getLogger("lyanna.services.drafter")
+
+
+@dataclass(frozen=True, slots=True)
+class DrafterConfig:
+    method: str = "lyanna"  # a name from lyanna.drafters.DRAFTERS
+    model: str = ""  # target checkpoint (drafters share its embeddings); "" = default model
+    depth: int = 5  # DraftBudget
+    top_k: int = 4
+    max_draft_tokens: int = 16
+    # "module:function" building a Drafter from (target model, budget) instead of the
+    # registry: custom drafters, tests with random-weight heads
+    factory: str | None = None
+
+    def __post_init__(self) -> None:
+        DraftBudget(self.depth, self.top_k, self.max_draft_tokens)
+        if self.factory is None and self.method not in DRAFTERS:
+            raise ValueError(f"unknown method {self.method!r}; known: {sorted(DRAFTERS)}")
+        if self.factory is not None and ":" not in self.factory:
+            raise ValueError("factory must look like 'package.module:function'")
+
+    @property
+    def budget(self) -> DraftBudget:
+        return DraftBudget(self.depth, self.top_k, self.max_draft_tokens)
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    def __init__(
+        self,
+        drafter: Drafter,
+        config: DrafterConfig,
+        receiver: HiddenReceiver,
+        vocab_size: int,
+    ) -> None:
+        self.drafter = drafter
+        self.config = config
+        self.receiver = receiver
+        self.vocab_size = vocab_size
+        self._committed: dict[int, int] = {}  # seq id -> tokens in the target KV
+        self._lock = threading.Lock()
+
+    @rpc_errors
+    def Info(self, request, context) -> drafter_pb2.InfoResponse:
+        budget = self.config.budget
+        return drafter_pb2.InfoResponse(
+            method=self.config.method,
+            scheme=codec.SCHEMES[self.drafter.scheme],
+            needs_hidden=self.drafter.needs_hidden,
+            max_draft_tokens=budget.max_tokens,
+            max_depth=budget.depth,
+            top_k=budget.top_k,
+        )
+
+    @rpc_errors
+    def Start(self, request, context) -> drafter_pb2.StartResponse:
+        with self._lock:
+            for item in request.items:
+                seq_id, prompt = item.ref.seq_id, list(item.prompt_ids)
+                if seq_id in self._committed:
+                    raise out_of_step(f"sequence {seq_id} is already started")
+                if not prompt or item.ref.num_committed != len(prompt):
+                    raise invalid(f"sequence {seq_id}: num_committed must equal the prompt length")
+                self._check_tokens([*prompt, item.first_token])
+                hidden = self._hidden(item, "prompt_hidden", len(prompt))
+                self.drafter.start(seq_id, prompt, hidden, item.first_token)
+                self._committed[seq_id] = len(prompt)
+            self.receiver.end_batch()
+        return drafter_pb2.StartResponse(num_started=len(request.items))
+
+    @rpc_errors
+    def Propose(self, request, context) -> drafter_pb2.ProposeResponse:
+        items = list(request.items)
+        seq_ids = [item.ref.seq_id for item in items]
+        if len(set(seq_ids)) != len(seq_ids):
+            raise invalid("a sequence may appear once per Propose call")
+        with self._lock:
+            try:
+                steps = [self._step_of(item) for item in items]
+            finally:
+                self.receiver.end_batch()
+            start = time.perf_counter()
+            try:
+                resampled = [self._learn(step) for step in steps]
+                trees = self.drafter.propose(seq_ids) if seq_ids else []
+            except Exception:
+                for seq_id in seq_ids:
+                    self._drop(seq_id)
+                raise
+            for seq_id, step in zip(seq_ids, steps, strict=True):
+                if step is not None:
+                    self._committed[seq_id] = step.num_committed
+            draft_seconds = time.perf_counter() - start
+            held = [self._committed[seq_id] for seq_id in seq_ids]
+        proposals = [
+            drafter_pb2.Proposal(
+                ref=common_pb2.SeqRef(seq_id=seq_id, num_committed=num_committed),
+                tree=codec.encode_tree(tree, with_draft_probs=item.want_draft_probs),
+                num_resampled_accepted=count,
+            )
+            for seq_id, num_committed, item, tree, count in zip(
+                seq_ids, held, items, trees, resampled, strict=True
+            )
+        ]
+        return drafter_pb2.ProposeResponse(proposals=proposals, draft_seconds=draft_seconds)
+
+    @rpc_errors
+    def Release(self, request, context) -> common_pb2.ReleaseResponse:
+        with self._lock:
+            released = sum(self._drop(seq_id) for seq_id in request.seq_ids)
+        return common_pb2.ReleaseResponse(num_released=released)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _step_of(self, item: drafter_pb2.ProposeItem) -> VerifiedStep | None:
+        seq_id = item.ref.seq_id
+        if seq_id not in self._committed:
+            raise not_found(f"unknown sequence {seq_id}")
+        held = self._committed[seq_id]
+        if held != item.ref.num_committed:
+            raise out_of_step(
+                f"sequence {seq_id}: caller has {item.ref.num_committed} committed tokens, "
+                f"the drafter has {held}"
+            )
+        if not item.HasField("verified"):
+            return None
+        verified = item.verified
+        committed = list(verified.committed)
+        if not committed or verified.num_accepted != len(committed) - 1:
+            raise invalid(f"sequence {seq_id}: committed must hold the root + accepted tokens")
+        self._check_tokens([*committed, verified.next_token])
+        return VerifiedStep(
+            seq_id=seq_id,
+            committed=committed,
+            hidden=self._hidden(verified, "hidden", len(committed)),
+            next_token=verified.next_token,
+            num_accepted=verified.num_accepted,
+            num_committed=held + len(committed),
+        )
+
+    def _learn(self, step: VerifiedStep | None) -> int:
+        """Feed one verification to the drafter; returns how many of its accepted tokens only
+        a re-sampled subtree had proposed (drafters without re-sampling: 0)."""
+        if step is None:
+            return 0
+        before = getattr(self.drafter, "num_resampled_accepted", 0)
+        self.drafter.on_verified([step])
+        return getattr(self.drafter, "num_resampled_accepted", 0) - before
+
+    def _hidden(self, message, field: str, num_rows: int) -> torch.Tensor | None:
+        if not self.drafter.needs_hidden:
+            return None
+        if not message.HasField(field):
+            raise invalid(f"the {self.config.method} drafter needs {field}")
+        return self.receiver.decode(getattr(message, field), num_rows)
+
+    def _check_tokens(self, tokens: list[int]) -> None:
+        if any(not 0 <= t < self.vocab_size for t in tokens):
+            raise invalid(f"token ids must be in [0, {self.vocab_size})")
+
+    def _drop(self, seq_id: int) -> bool:
+        if self._committed.pop(seq_id, None) is None:
+            return False
+        self.drafter.release(seq_id)
+        return True
+
+
+def make_configured_drafter(config: DrafterConfig, model: Transformer) -> Drafter:
+    if config.factory is None:
+        return make_drafter(config.method, model, config.budget)
+    module_name, _, function = config.factory.partition(":")
+    factory = getattr(importlib.import_module(module_name), function)
+    return factory(model, config.budget)
+
+
+def build_servicer(config: DrafterConfig, server_config: ServerConfig) -> DrafterServicer:
+    from lyanna.model import fetch_default_model
+
+    model = load_model(config.model or fetch_default_model())
+    drafter = make_configured_drafter(config, model)
+    plane = None
+    if server_config.plane != "grpc":
+        plane = DataPlane(
+            server_config.plane, server_config.plane_addr, 1, server_config.plane_timeout
+        )
+        plane.connect_in_background()
+    receiver = HiddenReceiver(model.config.hidden_size, model.dtype, plane)
+    return DrafterServicer(drafter, config, receiver, model.config.vocab_size)
+
+
+def main(argv: list[str] | None = None) -> int:
+    server_config, config = parse_configs(
+        (ServerConfig, DrafterConfig), argv, "LYANNA_DRAFTER_", description=__doc__
+    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s drafter %(message)s")
+    if server_config.torch_threads:
+        torch.set_num_threads(server_config.torch_threads)
+    servicer = build_servicer(config, server_config)
+
+    def add(server: grpc.Server) -> None:
+        drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
+
+    plane = servicer.receiver.plane
+    if plane is not None and not plane.wait_ready(server_config.plane_timeout):
+        logging.warning("data plane not ready; hidden states travel inline")
+    serve(server_config, add, (SERVICE_NAME,), on_stop=plane.close if plane else None)
+    return 0

@@ -1,0 +1,119 @@
+"""What both gRPC service processes share: the server with explicit message-size limits,
+health checking and reflection, SIGTERM/SIGINT handling that drains in-flight calls, and the
+mapping from core exceptions to gRPC status codes (``rpc_errors``).
+
+Status codes: an unknown sequence is NOT_FOUND, a sequence whose committed length or next
+token disagrees is FAILED_PRECONDITION, a malformed message is INVALID_ARGUMENT, no free
+slot or room is RESOURCE_EXHAUSTED; anything else is INTERNAL with the error text.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from lyanna.kv_cache import CacheFullError
+from lyanna.target import OutOfStepError, UnknownSequenceError
+from services.config import ServerConfig
+
+log = logging.getLogger("lyanna.services")
+
+
+class ServiceError(Exception):
+    """An RPC failure with an explicit status code."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def not_found(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.NOT_FOUND, message)
+
+
+def out_of_step(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.FAILED_PRECONDITION, message)
+
+
+def invalid(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def _status_of(error: Exception) -> grpc.StatusCode:
+    if isinstance(error, ServiceError):
+        return error.code
+    if isinstance(error, UnknownSequenceError):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(error, OutOfStepError):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(error, CacheFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(error, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.INTERNAL
+
+
+def rpc_errors(handler: Callable) -> Callable:
+    """Turn exceptions raised by a servicer method into a gRPC status with a message."""
+
+    @functools.wraps(handler)
+    def wrapped(self, request, context: grpc.ServicerContext):
+        try:
+            return handler(self, request, context)
+        except Exception as error:
+            code = _status_of(error)
+            if code is grpc.StatusCode.INTERNAL:
+                log.exception("%s failed", handler.__name__)
+            message = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+            context.abort(code, f"{handler.__name__}: {message}")
+
+    return wrapped
+
+
+def serve(
+    config: ServerConfig,
+    add_servicers: Callable[[grpc.Server], None],
+    service_names: tuple[str, ...],
+    on_stop: Callable[[], None] | None = None,
+) -> None:
+    """Run a server until SIGTERM or SIGINT, then report NOT_SERVING, stop taking calls and
+    let in-flight ones finish for ``grace_seconds``."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=config.workers), options=config.grpc_options()
+    )
+    add_servicers(server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise OSError(f"cannot bind {config.host}:{config.port}")
+    server.start()
+    for name in ("", *service_names):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if config.port_file:
+        scratch = Path(config.port_file + ".tmp")
+        scratch.write_text(str(port))
+        scratch.replace(config.port_file)
+    log.info("serving %s on %s:%d", ", ".join(service_names), config.host, port)
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.set())
+    while not stopping.wait(0.5):
+        pass
+    log.info("draining (grace %.1fs)", config.grace_seconds)
+    health_servicer.enter_graceful_shutdown()
+    server.stop(config.grace_seconds).wait()
+    if on_stop is not None:
+        on_stop()
+    log.info("stopped")

@@ -1,0 +1,1 @@
+"""The verifier service: target model, target KV cache and acceptance rules behind gRPC."""

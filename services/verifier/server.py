@@ -1,0 +1,226 @@
+"""The verifier gRPC servicer around ``lyanna.target.TargetRunner``.
+
+Prefill fills each prompt's KV and decides its first token; Verify checks every sequence's
+``SeqRef`` (NOT_FOUND / FAILED_PRECONDITION), fuses a re-sampled subtree into the fresh tree
+when one is sent (trie union pruned to the budget: a deterministic candidate set, so the
+acceptance rule stays lossless), runs all trees of the call in one target forward and returns
+the emitted tokens with the accepted path's hidden states. One lock serializes model work;
+health, reflection and Capacity answer while a forward runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from lyanna.model import load_model
+from lyanna.sampling import SamplingParams
+from lyanna.target import TargetConfig, TargetRunner
+from lyanna.tree import TokenTree
+from services import codec
+from services.config import ServerConfig, parse_configs
+from services.data_plane import DataPlane
+from services.hidden import HiddenSender
+from services.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
+from services.server import ServiceError, invalid, out_of_step, rpc_errors, serve
+
+SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+
+
+@dataclass(frozen=True, slots=True)
+class VerifierConfig:
+    model: str = ""  # HF checkpoint directory or .gguf file; "" = the default model
+    max_seqs: int = 8  # KV slots
+    max_len: int = 2048  # KV rows per sequence
+    rule: str | None = None  # acceptance rule at temperature > 0 (None = scheme default)
+    max_tree_nodes: int = 128  # largest tree (after fusion) one sequence may send
+
+    def __post_init__(self) -> None:
+        TargetConfig(self.max_seqs, self.max_len, self.rule)
+        if self.max_tree_nodes < 1:
+            raise ValueError("max_tree_nodes must be >= 1")
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+    def __init__(
+        self,
+        runner: TargetRunner,
+        config: VerifierConfig,
+        sender: HiddenSender,
+        model_name: str = "",
+    ) -> None:
+        self.runner = runner
+        self.config = config
+        self.sender = sender
+        self.model_name = model_name
+        self.vocab_size = runner.model.config.vocab_size
+        self._lock = threading.Lock()
+
+    @rpc_errors
+    def Prefill(
+        self, request: verifier_pb2.PrefillRequest, context
+    ) -> verifier_pb2.PrefillResponse:
+        items = list(request.items)
+        params = [codec.decode_params(item.params) for item in items]
+        self._check_prompts(items, params)
+        start = time.perf_counter()
+        done: list[int] = []
+        hidden: list[torch.Tensor | None] = []
+        with self._lock:
+            try:
+                for item, item_params in zip(items, params, strict=True):
+                    prefilled = self.runner.prefill(item.seq_id, list(item.prompt_ids), item_params)
+                    done.append(item.seq_id)
+                    hidden.append(prefilled.hidden if item.return_hidden else None)
+            except Exception:
+                for seq_id in done:
+                    self.runner.release(seq_id)
+                raise
+            encoded = self.sender.encode(hidden)
+            results = [
+                verifier_pb2.PrefillResult(
+                    ref=common_pb2.SeqRef(seq_id=item.seq_id, num_committed=len(item.prompt_ids)),
+                    first_token=self.runner.next_token(item.seq_id),
+                    prompt_hidden=message,
+                )
+                for item, message in zip(items, encoded, strict=True)
+            ]
+        return verifier_pb2.PrefillResponse(
+            results=results, forward_seconds=time.perf_counter() - start
+        )
+
+    @rpc_errors
+    def Verify(self, request, context) -> verifier_pb2.VerifyResponse:
+        items = list(request.items)
+        if not items:
+            return verifier_pb2.VerifyResponse()
+        seq_ids = [item.ref.seq_id for item in items]
+        if len(set(seq_ids)) != len(seq_ids):
+            raise invalid("a sequence may appear once per Verify call")
+        trees = [self._tree_of(item) for item in items]
+        with self._lock:
+            for item, tree in zip(items, trees, strict=True):
+                self._check_ref(item.ref)
+                if item.ref.num_committed + tree.num_nodes > self.runner.max_len:
+                    raise ServiceError(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"sequence {item.ref.seq_id} has no room for a {tree.num_nodes}-node tree",
+                    )
+            start = time.perf_counter()
+            want_hidden = any(item.return_hidden for item in items)
+            verified = self.runner.verify(seq_ids, trees, return_hidden=want_hidden)
+            forward_seconds = time.perf_counter() - start
+            hidden = [
+                v.hidden if item.return_hidden else None
+                for item, v in zip(items, verified, strict=True)
+            ]
+            encoded = self.sender.encode(hidden, use_plane=request.use_data_plane)
+        results = []
+        for seq_id, tree, v, message in zip(seq_ids, trees, verified, encoded, strict=True):
+            results.append(
+                verifier_pb2.VerifyResult(
+                    ref=common_pb2.SeqRef(seq_id=seq_id, num_committed=v.num_committed),
+                    committed=v.committed,
+                    tokens=v.verdict.tokens,
+                    num_accepted=v.verdict.num_accepted,
+                    num_drafted_per_depth=v.verdict.num_drafted_per_depth,
+                    hidden=message,
+                    num_drafted=tree.num_drafted,
+                )
+            )
+        return verifier_pb2.VerifyResponse(results=results, forward_seconds=forward_seconds)
+
+    @rpc_errors
+    def Release(self, request, context) -> common_pb2.ReleaseResponse:
+        with self._lock:
+            released = sum(self.runner.release(seq_id) for seq_id in request.seq_ids)
+        return common_pb2.ReleaseResponse(num_released=released)
+
+    @rpc_errors
+    def Capacity(self, request, context) -> verifier_pb2.CapacityResponse:
+        model_config = self.runner.model.config
+        return verifier_pb2.CapacityResponse(
+            free_slots=self.runner.num_free_slots,
+            total_slots=self.config.max_seqs,
+            max_len=self.runner.max_len,
+            vocab_size=model_config.vocab_size,
+            hidden_size=model_config.hidden_size,
+            model=self.model_name,
+            hidden_dtype=codec.DTYPE_NAMES[self.runner.model.dtype],
+            reserved_rows=self.config.max_tree_nodes,
+        )
+
+    # -- validation ------------------------------------------------------------------------
+
+    def _check_prompts(self, items, params: list[SamplingParams]) -> None:
+        for item, item_params in zip(items, params, strict=True):
+            prompt = item.prompt_ids
+            if not prompt or any(not 0 <= t < self.vocab_size for t in prompt):
+                raise invalid(
+                    f"sequence {item.seq_id}: prompt ids must be in [0, {self.vocab_size})"
+                )
+            needed = len(prompt) + item_params.max_tokens + self.config.max_tree_nodes
+            if needed > self.runner.max_len:
+                raise invalid(
+                    f"sequence {item.seq_id}: prompt + max_tokens + tree needs {needed} KV rows, "
+                    f"the verifier holds {self.runner.max_len}"
+                )
+
+    def _check_ref(self, ref: common_pb2.SeqRef) -> None:
+        held = self.runner.num_committed(ref.seq_id)  # NOT_FOUND when unknown
+        if held != ref.num_committed:
+            raise out_of_step(
+                f"sequence {ref.seq_id}: caller has {ref.num_committed} committed tokens, "
+                f"the verifier has {held}"
+            )
+
+    def _tree_of(self, item: verifier_pb2.VerifyItem) -> TokenTree:
+        limit = self.config.max_tree_nodes
+        tree = codec.decode_tree(item.tree, self.vocab_size, limit)
+        if item.HasField("resampled"):
+            resampled = codec.decode_tree(item.resampled, self.vocab_size, limit)
+            tree = tree.merge(resampled)
+            if item.max_draft_tokens:
+                tree = tree.prune(item.max_draft_tokens)
+            if tree.num_nodes > limit:
+                raise invalid(f"the fused tree has {tree.num_nodes} nodes > {limit}")
+        return tree
+
+
+def build_servicer(config: VerifierConfig, server_config: ServerConfig) -> VerifierServicer:
+    from lyanna.model import fetch_default_model
+
+    path = config.model or str(fetch_default_model())
+    model = load_model(path)
+    runner = TargetRunner(model, TargetConfig(config.max_seqs, config.max_len, config.rule))
+    plane = None
+    if server_config.plane != "grpc":
+        plane = DataPlane(
+            server_config.plane, server_config.plane_addr, 0, server_config.plane_timeout
+        )
+        plane.connect_in_background()
+    return VerifierServicer(runner, config, HiddenSender(plane), model_name=path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    server_config, config = parse_configs(
+        (ServerConfig, VerifierConfig), argv, "LYANNA_VERIFIER_", description=__doc__
+    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s verifier %(message)s")
+    if server_config.torch_threads:
+        torch.set_num_threads(server_config.torch_threads)
+    servicer = build_servicer(config, server_config)
+
+    def add(server: grpc.Server) -> None:
+        verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
+
+    plane = servicer.sender.plane
+    if plane is not None and not plane.wait_ready(server_config.plane_timeout):
+        logging.warning("data plane not ready; hidden states travel inline")
+    serve(server_config, add, (SERVICE_NAME,), on_stop=plane.close if plane else None)
+    return 0

@@ -1,0 +1,231 @@
+"""Verifier and drafter as real subprocesses on a tiny random model, driven through the
+``RemoteBackend``: greedy output equals plain decoding and the in-process engine (n-gram and a
+model-based Lyanna drafter, asynchronous pipeline and synchronous), seeded sampling equals
+the engine, stale or unknown sequences get a clear status, a killed drafter falls back to
+target-only steps and speculation recovers when it returns, cancellation frees both services,
+and the gloo data plane carries the hidden states."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from gateway.backend import GenerationRequest
+from gateway.remote import RemoteBackend, RemoteConfig
+from lyanna.drafters import DraftBudget
+from lyanna.drafters.ngram import NgramDrafter
+from lyanna.sampling import SamplingParams
+from services.launch import launch
+from services.pb import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from tests.services.remote_client import (
+    PROMPTS,
+    collect,
+    engine_outputs,
+    plain_greedy,
+    run_remote,
+)
+from tests.services.tiny_drafters import tiny_lyanna
+
+BUDGET = DraftBudget(depth=4, top_k=2, max_tokens=6)
+BUDGET_FLAGS = ("--depth", "4", "--top-k", "2", "--max-draft-tokens", "6")
+LYANNA_FLAGS = (*BUDGET_FLAGS, "--factory", "tests.services.tiny_drafters:tiny_lyanna")
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def ngram_services(tiny_model_dir):
+    with launch(tiny_model_dir, "ngram", drafter_args=BUDGET_FLAGS) as deployment:
+        yield deployment
+
+
+@pytest.fixture(scope="module")
+def lyanna_services(tiny_model_dir):
+    with launch(tiny_model_dir, "lyanna", drafter_args=LYANNA_FLAGS) as deployment:
+        yield deployment
+
+
+def config_for(deployment, **overrides) -> RemoteConfig:
+    return RemoteConfig(deployment.verifier_addr, deployment.drafter_addr, **overrides)
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["async", "sync"])
+def test_ngram_greedy_equals_engine_and_plain(ngram_services, tiny_loaded, pipeline) -> None:
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    outcomes, backend = run_remote(config_for(ngram_services, pipeline=pipeline), PROMPTS, params)
+    expected = plain_greedy(tiny_loaded, PROMPTS, MAX_TOKENS)
+    assert [o.tokens for o in outcomes] == expected
+    assert engine_outputs(tiny_loaded, NgramDrafter(BUDGET), PROMPTS, params) == expected
+    assert all(o.finish_reason == "length" for o in outcomes)
+    steps = [s for o in outcomes for s in o.steps]
+    assert sum(s.num_accepted for s in steps) > 0 and not any(s.drafter_fallback for s in steps)
+    assert backend.default_method == "ngram" and all(s.method == "ngram" for s in steps)
+
+
+def test_seeded_sampling_equals_engine(ngram_services, tiny_loaded) -> None:
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=MAX_TOKENS, seed=7)
+    outcomes, _ = run_remote(config_for(ngram_services), PROMPTS[:2], params)
+    expected = engine_outputs(tiny_loaded, NgramDrafter(BUDGET), PROMPTS[:2], params)
+    assert [o.tokens for o in outcomes] == expected
+
+
+def test_target_only_method(ngram_services, tiny_loaded) -> None:
+    async def run():
+        backend = RemoteBackend(config_for(ngram_services), frozenset(), lambda ids: "")
+        await backend.start()
+        request = GenerationRequest("r", PROMPTS[0], SamplingParams(max_tokens=10), method="ar")
+        tokens, steps = [], []
+        async for delta in backend.generate(request):
+            tokens += delta.token_ids
+            steps += [delta.step] if delta.step else []
+        await backend.stop()
+        return tokens, steps
+
+    tokens, steps = asyncio.run(run())
+    assert tokens == plain_greedy(tiny_loaded, PROMPTS[:1], 10)[0]
+    assert all(s.num_drafted == 0 and not s.drafter_fallback for s in steps)
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["async", "sync"])
+def test_lyanna_greedy_equals_engine_and_plain(lyanna_services, tiny_loaded, pipeline) -> None:
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    config = config_for(lyanna_services, pipeline=pipeline)
+    outcomes, backend = run_remote(config, PROMPTS, params)
+    expected = plain_greedy(tiny_loaded, PROMPTS, MAX_TOKENS)
+    assert [o.tokens for o in outcomes] == expected
+    drafter = tiny_lyanna(tiny_loaded, BUDGET)
+    assert engine_outputs(tiny_loaded, drafter, PROMPTS, params) == expected
+    steps = [s for o in outcomes for s in o.steps]
+    assert backend.needs_hidden and sum(s.num_drafted for s in steps) > 0
+    assert not any(s.drafter_fallback for s in steps)
+
+
+def test_stale_and_unknown_sequences_get_clear_status(ngram_services) -> None:
+    verifier = verifier_pb2_grpc.VerifierStub(grpc.insecure_channel(ngram_services.verifier_addr))
+    drafter = drafter_pb2_grpc.DrafterStub(grpc.insecure_channel(ngram_services.drafter_addr))
+    seq_id, prompt = 987_654_321, [1, 2, 3, 1]
+    item = verifier_pb2.PrefillItem(seq_id=seq_id, prompt_ids=prompt)
+    item.params.max_tokens = 8
+    first = verifier.Prefill(verifier_pb2.PrefillRequest(items=[item]), timeout=10)
+    first_token = first.results[0].first_token
+    start = drafter_pb2.StartItem(ref=first.results[0].ref, prompt_ids=prompt)
+    start.first_token = first_token
+    drafter.Start(drafter_pb2.StartRequest(items=[start]), timeout=10)
+    tree = common_pb2.TokenTree(tokens=[first_token], parents=[-1], scheme=4)
+
+    def verify(seq, committed):
+        ref = common_pb2.SeqRef(seq_id=seq, num_committed=committed)
+        return verifier.Verify(
+            verifier_pb2.VerifyRequest(items=[verifier_pb2.VerifyItem(ref=ref, tree=tree)]),
+            timeout=10,
+        )
+
+    def propose(seq, committed):
+        ref = common_pb2.SeqRef(seq_id=seq, num_committed=committed)
+        items = [drafter_pb2.ProposeItem(ref=ref)]
+        return drafter.Propose(drafter_pb2.ProposeRequest(items=items), timeout=10)
+
+    try:
+        with pytest.raises(grpc.RpcError) as stale:
+            verify(seq_id, len(prompt) + 3)
+        assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "4 committed" in stale.value.details() or "has 4" in stale.value.details()
+        with pytest.raises(grpc.RpcError) as unknown:
+            verify(seq_id + 1, len(prompt))
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "unknown sequence" in unknown.value.details()
+        with pytest.raises(grpc.RpcError) as stale:
+            propose(seq_id, 2)
+        assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        with pytest.raises(grpc.RpcError) as unknown:
+            propose(seq_id + 1, 0)
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+        assert verify(seq_id, len(prompt)).results[0].ref.num_committed == len(prompt) + 1
+        bad = common_pb2.TokenTree(tokens=[first_token, 99], parents=[-1, 0], scheme=4)
+        ref = common_pb2.SeqRef(seq_id=seq_id, num_committed=len(prompt) + 1)
+        with pytest.raises(grpc.RpcError) as invalid:
+            request = verifier_pb2.VerifyRequest(items=[verifier_pb2.VerifyItem(ref=ref, tree=bad)])
+            verifier.Verify(request, timeout=10)
+        assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        release = common_pb2.ReleaseRequest(seq_ids=[seq_id])
+        assert verifier.Release(release, timeout=10).num_released == 1
+        assert drafter.Release(release, timeout=10).num_released == 1
+
+
+def test_cancel_releases_both_services(ngram_services) -> None:
+    async def run():
+        backend = RemoteBackend(config_for(ngram_services), frozenset(), lambda ids: "")
+        await backend.start()
+        request = GenerationRequest("c", PROMPTS[0], SamplingParams(max_tokens=200))
+        stream = backend.generate(request)
+        await stream.__anext__()
+        await stream.__anext__()
+        seq_id = next(s.seq_id for lane in backend._lanes for s in lane.seqs)
+        await stream.aclose()
+        for _ in range(100):
+            if backend._num_running == 0:
+                break
+            await asyncio.sleep(0.05)
+        capacity = await backend._verifier.Capacity(verifier_pb2.CapacityRequest(), timeout=5)
+        released = await backend._drafter.Release(
+            common_pb2.ReleaseRequest(seq_ids=[seq_id]), timeout=5
+        )
+        await backend.stop()
+        return backend._num_running, capacity, released.num_released
+
+    running, capacity, drafter_released = asyncio.run(run())
+    assert running == 0 and capacity.free_slots == capacity.total_slots
+    assert drafter_released == 0  # the backend already released it
+
+
+def test_killed_drafter_falls_back_then_recovers(tiny_model_dir, tiny_loaded) -> None:
+    params = SamplingParams(max_tokens=120)
+    expected = plain_greedy(tiny_loaded, PROMPTS[:2], 120)
+
+    async def run(deployment):
+        config = config_for(deployment, drafter_retry_seconds=0.2, draft_deadline=2.0)
+        backend = RemoteBackend(config, frozenset(), lambda ids: "")
+        await backend.start()
+
+        outcomes = await asyncio.gather(
+            collect(backend, PROMPTS[0], params),
+            collect(backend, PROMPTS[1], params),
+            killer_of(backend, deployment),
+        )
+        await asyncio.to_thread(deployment.restart, "drafter")
+        # the channel reconnects with a backoff of at most 2 s; wait until it has
+        await backend._drafter.Info(drafter_pb2.InfoRequest(), wait_for_ready=True, timeout=10)
+        await asyncio.sleep(0.3)  # past the retry interval of the last failure
+        after = await collect(backend, PROMPTS[0], SamplingParams(max_tokens=24))
+        await backend.stop()
+        return outcomes[:2], after
+
+    with launch(tiny_model_dir, "ngram", drafter_args=BUDGET_FLAGS) as deployment:
+        outcomes, after = asyncio.run(run(deployment))
+    assert [o.tokens for o in outcomes] == expected
+    steps = [s for o in outcomes for s in o.steps]
+    assert any(s.drafter_fallback for s in steps) and any(not s.drafter_fallback for s in steps)
+    assert after.tokens == expected[0][:24]
+    # the channel may still be reconnecting for the first steps; then speculation is back
+    assert any(not s.drafter_fallback and s.num_drafted > 0 for s in after.steps)
+    assert not after.steps[-1].drafter_fallback
+
+
+async def killer_of(backend: RemoteBackend, deployment) -> None:
+    """Kill the drafter once a few verifications have gone through."""
+    while backend.num_verified_steps < 6:
+        await asyncio.sleep(0.005)
+    await asyncio.to_thread(deployment.kill, "drafter")
+
+
+def test_gloo_data_plane_carries_hidden_states(tiny_model_dir, tiny_loaded) -> None:
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    with launch(tiny_model_dir, "lyanna", drafter_args=LYANNA_FLAGS, plane="gloo") as deployment:
+        config = config_for(deployment, use_data_plane=True)
+        outcomes, backend = run_remote(config, PROMPTS, params)
+    assert [o.tokens for o in outcomes] == plain_greedy(tiny_loaded, PROMPTS, MAX_TOKENS)
+    assert backend.num_plane_transfers > 0
+    steps = [s for o in outcomes for s in o.steps]
+    assert not any(s.drafter_fallback for s in steps)
