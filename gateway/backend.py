@@ -21,7 +21,8 @@ from lyanna.sampling import SamplingParams
 class GenerationRequest:
     request_id: str
     prompt_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams  # params.stop is applied by the gateway on the decoded text (it
+    #                         closes the iterator at a stop string); backends may ignore it
     method: str | None = None  # a name from lyanna.drafters.DRAFTERS; None = server default
 
 

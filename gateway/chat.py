@@ -49,7 +49,9 @@ class ChatSession:
     def __init__(self, options: ChatOptions) -> None:
         self.options = options
         headers = {"X-Lyanna-Method": options.method} if options.method else None
-        self.client = OpenAI(base_url=options.url, api_key=options.api_key, default_headers=headers)
+        self.client = OpenAI(
+            base_url=options.url, api_key=options.api_key, default_headers=headers, max_retries=0
+        )
         self.model = options.model or self.client.models.list().data[0].id
         self.messages: list[dict] = []
         if options.system:

@@ -18,8 +18,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
 
 from gateway.backend import (
     BackendBusy,
@@ -92,13 +92,11 @@ class EmbeddedBackend:
         self,
         model: Transformer,
         eos_token_ids: frozenset[int],
-        detokenize: Callable[[list[int]], str],
         config: EmbeddedConfig | None = None,
     ) -> None:
         self.config = config or EmbeddedConfig()
         self.model = model
         self._eos = eos_token_ids
-        self._detokenize = detokenize
         self._max_len = min(self.config.max_len, model.config.max_position_embeddings)
         self.max_context = self._max_len - ENGINE_MARGIN
         self.methods = tuple(DRAFTERS)
@@ -146,9 +144,8 @@ class EmbeddedBackend:
         sequence = Sequence(
             seq_id=next(self._ids),
             prompt_ids=list(request.prompt_ids),
-            params=request.params,
+            params=replace(request.params, stop=()),  # the gateway applies stop strings
             eos_token_ids=self._eos,
-            detokenize=self._detokenize,
         )
         handle = _Handle(sequence, method, asyncio.get_running_loop(), asyncio.Queue())
         self._num_waiting += 1

@@ -18,7 +18,6 @@ from fastapi import FastAPI
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.embedded import EmbeddedBackend, EmbeddedConfig
-from gateway.text import make_detokenize
 from lyanna.model.transformer import Transformer
 
 
@@ -50,8 +49,7 @@ def embedded_app(
     embedded: EmbeddedConfig | None = None,
     on_ready: Callable[[], None] | None = None,
 ) -> FastAPI:
-    detokenize = make_detokenize(loaded.tokenizer)
-    backend = EmbeddedBackend(loaded.model, loaded.eos_token_ids, detokenize, embedded)
+    backend = EmbeddedBackend(loaded.model, loaded.eos_token_ids, embedded)
     return create_app(backend, loaded.tokenizer, config, on_ready)
 
 
@@ -72,7 +70,7 @@ class ThreadedServer:
     """uvicorn in a daemon thread (its own event loop); ``url`` once ``start`` returns."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int | None = None) -> None:
-        self.host, self.port = host, port or free_port(host)
+        self.app, self.host, self.port = app, host, port or free_port(host)
         config = uvicorn.Config(app, host=self.host, port=self.port, log_level="warning")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)

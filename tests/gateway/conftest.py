@@ -1,0 +1,65 @@
+"""Gateway fixtures: a real uvicorn server on a free port in a background thread, serving a
+tiny random-weight model (vocab 49152, so the default model's tokenizer fits it) through the
+embedded backend, and the official ``openai`` client pointed at it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from gateway.config import GatewayConfig
+from gateway.embedded import EmbeddedConfig
+from gateway.server import LoadedModel, ThreadedServer, embedded_app, eos_ids
+from gateway.text import make_detokenize
+from lyanna.decode import generate
+from lyanna.sampling import SamplingParams
+from lyanna.sequence import Sequence
+from tests.conftest import make_tiny_model
+
+TINY_VOCAB = 49152
+MODEL_NAME = "tiny"
+
+
+@pytest.fixture(scope="session")
+def chat_model():
+    return make_tiny_model(0, vocab_size=TINY_VOCAB)
+
+
+@pytest.fixture(scope="session")
+def loaded(chat_model, default_tokenizer) -> LoadedModel:
+    return LoadedModel(chat_model, default_tokenizer, eos_ids(default_tokenizer, chat_model))
+
+
+def start_gateway(
+    loaded: LoadedModel,
+    config: GatewayConfig | None = None,
+    embedded: EmbeddedConfig | None = None,
+) -> ThreadedServer:
+    config = config or GatewayConfig(model_name=MODEL_NAME)
+    embedded = embedded or EmbeddedConfig(default_method="ngram", max_len=512)
+    return ThreadedServer(embedded_app(loaded, config, embedded)).start()
+
+
+@pytest.fixture(scope="module")
+def gateway(loaded) -> Iterator[ThreadedServer]:
+    server = start_gateway(loaded)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def client(gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="none", max_retries=0)
+
+
+def plain_greedy(loaded: LoadedModel, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """The oracle: plain autoregressive greedy decoding (lyanna.decode.generate)."""
+    seq = Sequence(0, prompt_ids, SamplingParams(max_tokens=max_tokens), loaded.eos_token_ids)
+    generate(loaded.model, [seq])
+    return seq.output_ids
+
+
+def greedy_text(loaded: LoadedModel, prompt_ids: list[int], max_tokens: int) -> str:
+    return make_detokenize(loaded.tokenizer)(plain_greedy(loaded, prompt_ids, max_tokens))

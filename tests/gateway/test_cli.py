@@ -1,0 +1,80 @@
+"""``lyanna serve`` and ``lyanna chat`` as real processes: the server prints its URL and an
+example curl, answers the terminal client (which shows tokens/s and acceptance length), and
+shuts down cleanly on SIGINT."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.chat import ChatOptions, run_chat
+from gateway.server import free_port
+from lyanna.model.loader import export_hf_dir
+from tests.gateway.conftest import TINY_VOCAB
+from tests.unit.test_loader import hf_state_of
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_dir(tmp_path_factory, chat_model, default_model_dir) -> Path:
+    out = tmp_path_factory.mktemp("models") / "tiny-chat"
+    export_hf_dir(chat_model.config, hf_state_of(chat_model), out)
+    for name in TOKENIZER_FILES:
+        if (Path(default_model_dir) / name).exists():
+            shutil.copy(Path(default_model_dir) / name, out / name)
+    assert chat_model.config.vocab_size == TINY_VOCAB
+    return out
+
+
+def read_banner(process: subprocess.Popen, timeout: float = 120.0) -> list[str]:
+    lines, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        lines.append(line.rstrip())
+        if "Metrics:" in line:
+            return lines
+    process.kill()
+    raise AssertionError(f"no banner; got {lines}")
+
+
+def test_serve_and_chat_processes(tiny_chat_dir) -> None:
+    port = free_port()
+    command = [sys.executable, "-m", "lyanna.cli", "serve", "--model", str(tiny_chat_dir)]
+    command += ["--port", str(port), "--method", "ngram", "--max-len", "512"]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        banner = "\n".join(read_banner(server))
+        url = f"http://127.0.0.1:{port}"
+        assert f"{url}/v1" in banner and "curl" in banner and "lyanna chat" in banner
+        assert "default method ngram" in banner
+        chat = subprocess.run(
+            [sys.executable, "-m", "lyanna.cli", "chat", "--url", f"{url}/v1"]
+            + ["--prompt", "Say something.", "--max-tokens", "16"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert chat.returncode == 0, chat.stderr
+        assert chat.stdout.strip()
+        assert "16 tokens" in chat.stderr and "acceptance length" in chat.stderr
+        assert "(ngram)" in chat.stderr
+        assert httpx.get(f"{url}/health").status_code == 200
+    finally:
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=60) == 0
+
+
+def test_chat_reports_an_unreachable_server(capsys) -> None:
+    options = ChatOptions(url=f"http://127.0.0.1:{free_port()}/v1")
+    assert run_chat(options, "hi") == 1
+    assert "lyanna chat:" in capsys.readouterr().err

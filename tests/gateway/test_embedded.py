@@ -1,0 +1,99 @@
+"""The embedded backend on its own and behind HTTP: a consumer that stops early (client
+disconnect) aborts its sequence and frees the KV slot; the default method falls back to one
+that can run on the model; requests before start are refused with BackendUnavailable."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from gateway.backend import BackendUnavailable, GenerationRequest
+from gateway.embedded import EmbeddedBackend, EmbeddedConfig
+from lyanna.sampling import SamplingParams
+from tests.gateway.conftest import MODEL_NAME, start_gateway
+
+
+def request(max_tokens: int, method: str | None = None) -> GenerationRequest:
+    return GenerationRequest("r", [5, 6, 7, 8], SamplingParams(max_tokens=max_tokens), method)
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def test_closing_the_iterator_frees_the_sequence(loaded) -> None:
+    backend = EmbeddedBackend(
+        loaded.model, loaded.eos_token_ids, EmbeddedConfig(default_method="ar", max_len=512)
+    )
+
+    async def scenario() -> None:
+        await backend.start()
+        try:
+            deltas = backend.generate(request(400))
+            first = await anext(deltas)
+            assert first.prompt_tokens == 4 and len(first.token_ids) == 1 and first.step is None
+            second = await anext(deltas)
+            assert second.step is not None and second.step.method == "ar"
+            await deltas.aclose()
+            engine = backend._engines["ar"]
+            await asyncio.to_thread(wait_until, lambda: not engine.has_work)
+            assert engine.cache.num_free_slots == engine.cache.num_slots
+            finished = [d async for d in backend.generate(request(3))]
+            assert sum(len(d.token_ids) for d in finished) == 3
+            assert finished[-1].finish_reason == "length"
+        finally:
+            await backend.stop()
+
+    asyncio.run(scenario())
+
+
+def test_refuses_before_start_and_falls_back_to_a_working_method(loaded) -> None:
+    backend = EmbeddedBackend(loaded.model, loaded.eos_token_ids, EmbeddedConfig(max_len=512))
+
+    async def scenario() -> None:
+        with pytest.raises(BackendUnavailable):
+            await anext(backend.generate(request(2)))
+        await backend.start()  # the Lyanna checkpoint does not fit the tiny model
+        try:
+            assert backend.default_method == "ngram"
+            health = await backend.health()
+            assert health["engine"] == "ok" and health["method:lyanna"].startswith("degraded:")
+            with pytest.raises(BackendUnavailable, match="eagle"):
+                await anext(backend.generate(request(2, "eagle")))
+        finally:
+            await backend.stop()
+
+    asyncio.run(scenario())
+
+
+def test_client_disconnect_cancels_the_stream(loaded) -> None:
+    server = start_gateway(loaded)
+    try:
+        body = {
+            "model": MODEL_NAME,
+            "messages": [{"role": "user", "content": "go on forever"}],
+            "max_tokens": 400,
+            "temperature": 0.7,
+            "stream": True,
+        }
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+        engine = server.app.state.backend._engines["ngram"]
+        wait_until(lambda: not engine.has_work)
+        assert engine.cache.num_free_slots == engine.cache.num_slots
+        metrics = httpx.get(server.url + "/metrics").text
+        assert 'lyanna_request_success_total{finish_reason="abort"' in metrics
+        assert "lyanna_num_requests_running{" in metrics
+        running = [
+            line for line in metrics.splitlines() if line.startswith("lyanna_num_requests_running{")
+        ]
+        assert running and running[0].endswith(" 0.0")
+    finally:
+        server.stop()

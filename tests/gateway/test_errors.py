@@ -1,0 +1,193 @@
+"""Bad requests get the right 4xx/5xx status and an OpenAI error body
+``{"error": {"message", "type", "param", "code"}}``: malformed JSON, wrong types, unknown
+model or method, n > 1, max_tokens out of range, prompts over the context, oversized bodies,
+missing or wrong API keys, a full queue (429) and a dead backend (503)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+import openai
+import pytest
+
+from gateway.app import create_app
+from gateway.backend import BackendBusy, BackendUnavailable, GenerationRequest, TokenDelta
+from gateway.config import GatewayConfig
+from gateway.server import ThreadedServer
+from tests.gateway.conftest import MODEL_NAME, start_gateway
+
+CHAT = "/v1/chat/completions"
+
+
+def chat_body(**overrides) -> dict:
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    body.update(overrides)
+    return body
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+@pytest.fixture
+def http(gateway) -> httpx.Client:
+    with httpx.Client(base_url=gateway.url) as client:
+        yield client
+
+
+def test_malformed_json_is_400(http) -> None:
+    response = http.post(
+        CHAT, content=b'{"messages": [', headers={"content-type": "application/json"}
+    )
+    error = assert_error(response, 400)
+    assert error["type"] == "invalid_request_error" and error["code"] == "json_invalid"
+    assert_error(http.post(CHAT, content=b""), 400)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "param"),
+    [
+        ({"temperature": "hot"}, "temperature"),
+        ({"max_tokens": "5"}, "max_tokens"),
+        ({"stream": "yes"}, "stream"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+        ({"stop": [1, 2]}, None),
+        ({"temperature": 3.0}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+    ],
+)
+def test_wrong_types_and_ranges_are_400(http, overrides, param) -> None:
+    assert_error(http.post(CHAT, json=chat_body(**overrides)), 400, param)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "param"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"max_tokens": 10**6}, "max_tokens"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"n": 2}, "n"),
+        ({"lyanna_method": "telepathy"}, "lyanna_method"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": "x" * 200}, "stop"),
+        ({"logprobs": True}, "logprobs"),
+    ],
+)
+def test_invalid_parameters_are_400(http, overrides, param) -> None:
+    assert_error(http.post(CHAT, json=chat_body(**overrides)), 400, param)
+
+
+def test_unknown_method_header_is_400(http) -> None:
+    response = http.post(CHAT, json=chat_body(), headers={"X-Lyanna-Method": "telepathy"})
+    assert_error(response, 400, "lyanna_method")
+
+
+def test_prompt_over_context_is_400(http, client) -> None:
+    long_prompt = "speculative decoding " * 400  # > 448 tokens: the tiny model's context
+    error = assert_error(
+        http.post(CHAT, json=chat_body(messages=[{"role": "user", "content": long_prompt}])),
+        400,
+        "messages",
+    )
+    assert error["code"] == "context_length_exceeded"
+    error = assert_error(
+        http.post(
+            CHAT,
+            json=chat_body(messages=[{"role": "user", "content": "hi " * 100}], max_tokens=400),
+        ),
+        400,
+        "max_tokens",
+    )
+    assert error["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL_NAME, prompt=long_prompt, max_tokens=4)
+
+
+def test_unknown_model_and_route_are_404(http, client) -> None:
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(
+            model="gpt-17", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+    assert err.value.body["code"] == "model_not_found"
+    assert_error(http.get("/v1/models/gpt-17"), 404, "model")
+    assert_error(http.get("/v1/nothing-here"), 404)
+    assert_error(http.get(CHAT), 405)
+
+
+def test_oversized_body_is_413(http) -> None:
+    body = chat_body(messages=[{"role": "user", "content": "x" * (1 << 20)}])
+    assert_error(http.post(CHAT, json=body), 413)
+
+
+def test_api_keys(loaded) -> None:
+    server = start_gateway(loaded, GatewayConfig(model_name=MODEL_NAME, api_keys=("k1", "k2")))
+    try:
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "k1"}):
+            response = httpx.post(server.url + CHAT, json=chat_body(), headers=headers)
+            assert assert_error(response, 401)["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=server.url + "/v1", api_key="nope").models.list()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="k2", max_retries=0)
+        assert client.models.list().data[0].id == MODEL_NAME
+        assert httpx.get(server.url + "/health").status_code == 200  # probes need no key
+    finally:
+        server.stop()
+
+
+class RefusingBackend:
+    """A backend that refuses every request with ``error``."""
+
+    max_context = 1024
+    default_method = "ar"
+    methods = ("ar",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    async def health(self) -> dict[str, str]:
+        return {"verifier": "connection refused"}
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        raise self.error
+        yield  # an async generator, like real backends
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "client_error"),
+    [
+        (BackendBusy("queue full"), 429, openai.RateLimitError),
+        (BackendUnavailable("verifier down"), 503, openai.InternalServerError),
+    ],
+)
+def test_busy_is_429_and_down_is_503(default_tokenizer, error, status, client_error) -> None:
+    config = GatewayConfig(model_name=MODEL_NAME)
+    server = ThreadedServer(create_app(RefusingBackend(error), default_tokenizer, config)).start()
+    try:
+        for stream in (False, True):
+            response = httpx.post(server.url + CHAT, json=chat_body(stream=stream))
+            assert_error(response, status)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        with pytest.raises(client_error):
+            client.chat.completions.create(
+                model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 503 and health.json()["status"] == "unavailable"
+    finally:
+        server.stop()
