@@ -3,8 +3,10 @@ PY      := .venv/bin/python
 PIP     := .venv/bin/pip
 STAMP   := .venv/.installed
 PROMPT  ?= Explain speculative decoding in two sentences.
+MODE    ?= embedded
+SERVE   ?=
 
-.PHONY: install run test test-fast lint format bench model proto clean
+.PHONY: install run generate chat test test-fast lint format bench model proto clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -18,8 +20,14 @@ install: $(STAMP)
 model: $(STAMP)          ## fetch the default model once into $$LYANNA_CACHE (default ~/.cache/lyanna)
 	$(PY) -m lyanna.cli fetch-model
 
-run: model               ## the main job: a chat answer from the default model
+run: model               ## the main job: the chat service on the default model (Ctrl-C stops)
+	$(PY) -m lyanna.cli serve --mode $(MODE) $(SERVE)
+
+generate: model          ## one chat answer from the default model, no server
 	$(PY) -m lyanna.cli generate --prompt "$(PROMPT)"
+
+chat: $(STAMP)           ## talk to a running `make run` from a second terminal
+	$(PY) -m lyanna.cli chat
 
 proto: $(STAMP)          ## regenerate services/pb from proto/ (committed; a test checks they are current)
 	$(PY) -m services.protogen
