@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 PIP     := .venv/bin/pip
 STAMP   := .venv/.installed
 PROMPT  ?= Explain speculative decoding in two sentences.
-MODE    ?= embedded
+MODE    ?= services
 SERVE   ?=
 
 .PHONY: install run generate chat test test-fast lint format bench model proto clean

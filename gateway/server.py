@@ -3,7 +3,6 @@ foreground (``lyanna serve``) or in a background thread on a free port (tests, b
 
 from __future__ import annotations
 
-import logging
 import socket
 import threading
 import time
@@ -91,52 +90,3 @@ class ThreadedServer:
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=60)
-
-
-def banner(config: GatewayConfig, method: str) -> str:
-    host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
-    base = f"http://{host}:{config.port}"
-    auth = " -H 'Authorization: Bearer $KEY'" if config.api_keys else ""
-    body = (
-        f'{{"model": "{config.model_name}", "messages": [{{"role": "user", '
-        f'"content": "Explain speculative decoding in two sentences."}}], "max_tokens": 128}}'
-    )
-    return "\n".join(
-        [
-            f"Lyanna serves {config.model_name} at {base}/v1 "
-            f"({config.mode} mode, default method {method})",
-            "Try:",
-            f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\",
-            f"    -d '{body}'",
-            f"  lyanna chat --url {base}/v1        # or: .venv/bin/python -m lyanna.cli chat",
-            f"Metrics: {base}/metrics   Health: {base}/health",
-        ]
-    )
-
-
-def run_serve(args) -> int:
-    """``lyanna serve``: build the configured backend and serve until interrupted."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    overrides = {"host": args.host, "port": args.port, "mode": args.mode}
-    if args.model:
-        overrides["model_name"] = Path(args.model).stem
-    config = GatewayConfig.from_env(**overrides)
-    if config.mode == "services":
-        raise RuntimeError(
-            "services mode needs gateway.remote and services.launch, which are not available "
-            "yet; use --mode embedded"
-        )
-    embedded = EmbeddedConfig(
-        default_method=args.method,
-        max_batch=args.max_batch,
-        max_len=args.max_len,
-        max_waiting=args.max_waiting,
-    )
-    holder: dict[str, FastAPI] = {}
-
-    def ready() -> None:
-        print(banner(config, holder["app"].state.backend.default_method), flush=True)
-
-    holder["app"] = embedded_app(load(args.model), config, embedded, ready)
-    serve(holder["app"], config, args.log_level)
-    return 0

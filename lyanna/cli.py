@@ -54,7 +54,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from gateway.server import run_serve
+    from gateway.launcher import run_serve
 
     return run_serve(args)
 

@@ -1,6 +1,7 @@
 """``lyanna serve`` and ``lyanna chat`` as real processes: the server prints its URL and an
 example curl, answers the terminal client (which shows tokens/s and acceptance length), and
-shuts down cleanly on SIGINT."""
+shuts down cleanly on SIGINT. In services mode it also starts (and stops) the verifier and
+drafter gRPC services, three processes in all."""
 
 from __future__ import annotations
 
@@ -47,16 +48,17 @@ def read_banner(process: subprocess.Popen, timeout: float = 120.0) -> list[str]:
     raise AssertionError(f"no banner; got {lines}")
 
 
-def test_serve_and_chat_processes(tiny_chat_dir) -> None:
+@pytest.mark.parametrize("mode", ["embedded", pytest.param("services", marks=pytest.mark.slow)])
+def test_serve_and_chat_processes(tiny_chat_dir, mode) -> None:
     port = free_port()
     command = [sys.executable, "-m", "lyanna.cli", "serve", "--model", str(tiny_chat_dir)]
-    command += ["--port", str(port), "--method", "ngram", "--max-len", "512"]
+    command += ["--port", str(port), "--method", "ngram", "--max-len", "512", "--mode", mode]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         banner = "\n".join(read_banner(server))
         url = f"http://127.0.0.1:{port}"
         assert f"{url}/v1" in banner and "curl" in banner and "lyanna chat" in banner
-        assert "default method ngram" in banner
+        assert f"({mode} mode, default method ngram)" in banner
         chat = subprocess.run(
             [sys.executable, "-m", "lyanna.cli", "chat", "--url", f"{url}/v1"]
             + ["--prompt", "Say something.", "--max-tokens", "16"],

@@ -1,0 +1,125 @@
+"""``lyanna serve``: pick the deployment mode, start what it needs and serve until SIGINT /
+SIGTERM, printing the URL and an example ``curl`` once the backend is ready.
+
+- ``embedded``: drafter and verifier in the gateway process (``EmbeddedBackend``).
+- ``services``: the verifier and drafter gRPC services as local subprocesses
+  (``services.launch``) and the gateway in this process with ``RemoteBackend`` (asynchronous
+  pipeline). When the drafter cannot start with the requested method (a missing checkpoint),
+  the next method of ``FALLBACK_METHODS`` is tried and the fallback is logged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+from fastapi import FastAPI
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.embedded import EmbeddedConfig
+from gateway.server import embedded_app, load, serve
+from gateway.text import make_detokenize
+
+logger = logging.getLogger(__name__)
+
+FALLBACK_METHODS = ("eagle", "ngram", "ar")
+
+
+def banner(config: GatewayConfig, method: str) -> str:
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
+    base = f"http://{host}:{config.port}"
+    auth = " -H 'Authorization: Bearer $KEY'" if config.api_keys else ""
+    body = (
+        f'{{"model": "{config.model_name}", "messages": [{{"role": "user", '
+        f'"content": "Explain speculative decoding in two sentences."}}], "max_tokens": 128}}'
+    )
+    return "\n".join(
+        [
+            f"Lyanna serves {config.model_name} at {base}/v1 "
+            f"({config.mode} mode, default method {method})",
+            "Try:",
+            f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\",
+            f"    -d '{body}'",
+            f"  lyanna chat --url {base}/v1        # or: .venv/bin/python -m lyanna.cli chat",
+            f"Metrics: {base}/metrics   Health: {base}/health",
+        ]
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    overrides = {"host": args.host, "port": args.port, "mode": args.mode}
+    if args.model:
+        overrides["model_name"] = Path(args.model).stem
+    config = GatewayConfig.from_env(**overrides)
+    if config.mode == "services":
+        return _serve_services(args, config)
+    embedded = EmbeddedConfig(
+        default_method=args.method,
+        max_batch=args.max_batch,
+        max_len=args.max_len,
+        max_waiting=args.max_waiting,
+    )
+    holder: dict[str, FastAPI] = {}
+
+    def ready() -> None:
+        print(banner(config, holder["app"].state.backend.default_method), flush=True)
+
+    holder["app"] = embedded_app(load(args.model), config, embedded, ready)
+    serve(holder["app"], config, args.log_level)
+    return 0
+
+
+def _serve_services(args: argparse.Namespace, config: GatewayConfig) -> int:
+    from gateway.remote import RemoteBackend, RemoteConfig
+    from lyanna.model import fetch_default_model
+    from lyanna.tokenizer import load_tokenizer
+    from services.launch import LaunchError, launch
+
+    model_path = Path(args.model) if args.model else fetch_default_model()
+    tokenizer = load_tokenizer(model_path)
+    eos = frozenset({tokenizer.eos_token_id, _config_eos(model_path)} - {None})
+    verifier_args = ("--max-seqs", str(args.max_batch), "--max-len", str(args.max_len))
+    for method in dict.fromkeys((args.method, *FALLBACK_METHODS)):
+        try:
+            deployment = launch(model_path, method=method, verifier_args=verifier_args)
+        except LaunchError as err:
+            logger.warning("the drafter service cannot start with %r: %s", method, err)
+            continue
+        if method != args.method:
+            logger.warning("serving %r instead of %r", method, args.method)
+        break
+    else:
+        raise RuntimeError("no method could start the drafter service")
+    with deployment:
+        remote = RemoteConfig(
+            verifier_addr=deployment.verifier_addr,
+            drafter_addr=deployment.drafter_addr,
+            method=method,
+            max_running=args.max_batch,
+            max_waiting=args.max_waiting,
+        )
+        backend = RemoteBackend(remote, eos, make_detokenize(tokenizer))
+
+        def ready() -> None:
+            print(banner(config, backend.default_method), flush=True)
+            print(
+                f"verifier {deployment.verifier_addr}, drafter {deployment.drafter_addr} "
+                f"(logs in {deployment.log_dir})",
+                flush=True,
+            )
+
+        serve(create_app(backend, tokenizer, config, ready), config, args.log_level)
+    return 0
+
+
+def _config_eos(model_path: Path) -> int | None:
+    """The EOS id of an HF directory's config.json (a .gguf carries it in the tokenizer)."""
+    config = model_path / "config.json"
+    if not config.is_file():
+        return None
+    eos = json.loads(config.read_text()).get("eos_token_id")
+    return eos[0] if isinstance(eos, list) else eos
