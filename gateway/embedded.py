@@ -45,7 +45,7 @@ ENGINE_BUILD_ERRORS = (OSError, ValueError, RuntimeError, KeyError)  # missing/m
 class EmbeddedConfig:
     default_method: str = "lyanna"
     fallback_methods: tuple[str, ...] = ("eagle", "ngram", "ar")
-    max_batch: int = 8  # running sequences per engine (the drafters hold state for 8)
+    max_batch: int = 8  # running sequences per engine (the drafters hold state for 16)
     max_len: int = 2048  # KV rows per sequence
     max_waiting: int = 64  # requests waiting for their first token before BackendBusy
     budget: DraftBudget = field(default_factory=DraftBudget)
@@ -56,8 +56,8 @@ class EmbeddedConfig:
         for method in (self.default_method, *self.fallback_methods):
             if method not in DRAFTERS:
                 raise ValueError(f"unknown method {method!r}; known: {sorted(DRAFTERS)}")
-        if not 1 <= self.max_batch <= 8:
-            raise ValueError("max_batch must be in [1, 8]")
+        if not 1 <= self.max_batch <= 16:
+            raise ValueError("max_batch must be in [1, 16]")
         if self.max_len <= 2 * ENGINE_MARGIN or self.max_waiting < 1 or self.drain_seconds < 0:
             raise ValueError("max_len must exceed 128, max_waiting >= 1, drain_seconds >= 0")
 

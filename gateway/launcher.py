@@ -99,6 +99,7 @@ def _serve_services(args: argparse.Namespace, config: GatewayConfig) -> int:
             verifier_addr=deployment.verifier_addr,
             drafter_addr=deployment.drafter_addr,
             method=method,
+            pipeline=args.pipeline,
             max_running=args.max_batch,
             max_waiting=args.max_waiting,
         )

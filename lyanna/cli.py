@@ -84,6 +84,12 @@ def _add_serve(sub) -> None:
     serve.add_argument("--max-batch", type=int, default=8, help="running sequences per engine")
     serve.add_argument("--max-len", type=int, default=2048, help="KV rows per sequence")
     serve.add_argument("--max-waiting", type=int, default=64, help="queue bound (then 429)")
+    serve.add_argument(
+        "--pipeline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="services mode: asynchronous two-lane pipeline (--no-pipeline: draft, then verify)",
+    )
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_cmd_serve)
 

@@ -1,0 +1,97 @@
+"""Serving benchmark: the same chat load against each deployment of the default model, at
+several concurrencies, through real HTTP (``loadtests.load``; official ``openai`` client).
+
+    python -m bench.serving [--deployments embedded services services-sync]
+                            [--concurrency 1 4 16] [--requests 16] [--max-tokens 64]
+
+Deployments (each a fresh ``lyanna serve`` process tree, stopped after its runs):
+``embedded`` (one process), ``services`` (verifier + drafter gRPC services + gateway, the
+asynchronous two-lane pipeline), ``services-sync`` (the same, draft then verify). Prints one
+markdown table: output tokens/s, TTFT and TPOT p50/p99, mean acceptance length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from gateway.server import free_port
+from loadtests.load import HEADER, load_prompts, run_load
+
+DEPLOYMENTS = {
+    "embedded": ("--mode", "embedded"),
+    "services": ("--mode", "services", "--pipeline"),
+    "services-sync": ("--mode", "services", "--no-pipeline"),
+}
+
+
+def start(flags: tuple[str, ...], port: int, extra: list[str], log: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "lyanna.cli", "serve", "--port", str(port), *flags, *extra]
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited; see {log}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return process
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    process.kill()
+    raise RuntimeError(f"the server did not become healthy; see {log}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--deployments",
+        nargs="+",
+        choices=sorted(DEPLOYMENTS),
+        default=["embedded", "services", "services-sync"],
+    )
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--requests", type=int, default=16, help="requests per concurrency")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--method", default="lyanna")
+    parser.add_argument("--model", help="HF directory or .gguf (default: SmolLM2-135M)")
+    args = parser.parse_args(argv)
+    extra = ["--method", args.method, "--max-batch", str(max(args.concurrency))]
+    if args.model:
+        extra += ["--model", args.model]
+    prompts = load_prompts()
+    logs = Path(tempfile.mkdtemp(prefix="lyanna-bench-serving-"))
+    print(f"method {args.method}, max_tokens {args.max_tokens}, temperature 0; logs in {logs}")
+    print(HEADER)
+    for name in args.deployments:
+        port = free_port()
+        process = start(DEPLOYMENTS[name], port, extra, logs / f"{name}.log")
+        try:
+            for concurrency in args.concurrency:
+                report = asyncio.run(
+                    run_load(
+                        f"http://127.0.0.1:{port}/v1",
+                        concurrency,
+                        max(args.requests, concurrency),
+                        args.max_tokens,
+                        prompts=prompts,
+                    )
+                )
+                print(report.row(name), flush=True)
+        finally:
+            process.send_signal(signal.SIGINT)
+            process.wait(timeout=120)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Load generation against a running gateway (see README.md)."""
