@@ -16,13 +16,14 @@ import argparse
 import json
 import time
 from collections import defaultdict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from bench.common import SPEC_BENCH, load_questions, print_table
-from lyanna.drafters import DRAFTERS, DraftBudget, make_drafter
+from lyanna.drafters import DRAFTERS, DraftBudget, Drafter, make_drafter
 from lyanna.engine import EngineConfig, SpecEngine
 from lyanna.model import fetch_default_model, load_model
 from lyanna.model.transformer import Transformer
@@ -128,8 +129,11 @@ def run_methods(
     params: SamplingParams,
     budget: DraftBudget,
     log: bool = True,
+    factories: Mapping[str, Callable[[], Drafter]] | None = None,
 ) -> dict[str, dict]:
-    """Every method over every prompt (AR first: speedups and mismatches are against it)."""
+    """Every method over every prompt (AR first: speedups and mismatches are against it).
+    ``factories`` builds drafters the registry does not name (e.g. ablation checkpoints)."""
+    factories = factories or {}
     methods = ["ar"] + [m for m in dict.fromkeys(methods) if m != "ar"]
     longest = max(len(p) for ps in setup.prompts.values() for p in ps)
     config = EngineConfig(
@@ -140,7 +144,10 @@ def run_methods(
     ar_outputs: dict[str, list[list[int]]] = {}
     ar_tallies: dict[str, Tally] = {}
     for method in methods:
-        drafter = make_drafter(method, setup.model, budget)
+        if method in factories:
+            drafter = factories[method]()
+        else:
+            drafter = make_drafter(method, setup.model, budget)
         factory = lambda d=drafter: SpecEngine(setup.model, d, config)  # noqa: E731
         run_batch(factory, [warmup_prompt], SamplingParams(max_tokens=16), setup.eos)
         overall, per_cat, mismatches = Tally(), {}, 0

@@ -34,6 +34,8 @@ class TrainConfig:
     prompt_weight: float = 0.25  # loss weight of prompt positions (answer positions: 1)
     hot_vocab_size: int = 8192
     student_layers: int = 3  # SPS: decoder layers of the distilled student
+    token_info: bool = True  # Lyanna ablation "w/o token info" when False
+    fuse_first_token: bool = True  # Lyanna ablation "w/o first token" when False
     # bookkeeping
     val_sequences: int = 64  # held-out sequences (the last ones of the data)
     log_every: int = 10
@@ -69,12 +71,20 @@ class TrainConfig:
         return self.lr * (1.0 - (1.0 - self.min_lr_ratio) * min(1.0, progress))
 
 
+def _boolean(text: str) -> bool:
+    if text.lower() not in ("true", "false", "1", "0"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() in ("true", "1")
+
+
 def parse_overrides(argv: list[str] | None = None) -> TrainConfig:
     parser = argparse.ArgumentParser(description="Train a draft model (see training/README.md)")
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         if isinstance(f.default, tuple):
             parser.add_argument(flag, type=float, nargs=len(f.default), default=f.default)
+        elif isinstance(f.default, bool):
+            parser.add_argument(flag, type=_boolean, default=f.default, metavar="{true,false}")
         else:
             parser.add_argument(flag, type=type(f.default), default=f.default)
     values = vars(parser.parse_args(argv))

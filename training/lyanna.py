@@ -28,7 +28,11 @@ class LyannaTrainModel(nn.Module):
         cls, target: FrozenTarget, target_config: ModelConfig, config: TrainConfig
     ) -> LyannaTrainModel:
         draft_config = LyannaDraftConfig(
-            target_config, num_hot=target.hot_vocab.numel(), chain_steps=config.unroll_steps
+            target_config,
+            num_hot=target.hot_vocab.numel(),
+            chain_steps=config.unroll_steps,
+            use_token_info=config.token_info,
+            fuse_first_token=config.fuse_first_token,
         )
         model = cls(LyannaDraftModel(draft_config, target.embedding, target.hot_vocab), config)
         default_dir = default_model_dir()

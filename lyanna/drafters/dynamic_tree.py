@@ -25,8 +25,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from lyanna.drafters.base import DraftBudget
+from lyanna.drafters.scopes import LAYER_SCOPE, LM_HEAD_SCOPE, SOFTMAX_SCOPE
 from lyanna.kv_cache import KVCache
 from lyanna.model.cpu_kernels import PackedLinear, prepacking_available
 from lyanna.tree import DraftScheme, TokenTree
@@ -113,12 +115,16 @@ class DynamicTreeDrafter:
             sin=self.rope_sin[positions].unsqueeze(1),
             mask=mask.unsqueeze(1),
         )
-        return self._node_forward(ctx, parent_states, tokens)
+        with record_function(LAYER_SCOPE):
+            return self._node_forward(ctx, parent_states, tokens)
 
     def _top_children(self, states: torch.Tensor, k: int):
         """states [B, n, d] -> (log probs [B, n, k], token ids [B, n, k]) of the top-k hot
         tokens of each node."""
-        log_probs = self.lm_head(states).float().log_softmax(-1)
+        with record_function(LM_HEAD_SCOPE):
+            logits = self.lm_head(states).float()
+        with record_function(SOFTMAX_SCOPE):
+            log_probs = logits.log_softmax(-1)
         top = log_probs.topk(k, dim=-1)
         return top.values, self.hot_vocab[top.indices]
 

@@ -17,10 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 
 from lyanna.drafters.base import DraftBudget, VerifiedStep
 from lyanna.drafters.dynamic_tree import DynamicTreeDrafter, TreeContext, hot_lm_head
 from lyanna.drafters.eagle_head import DEFAULT_CHECKPOINT, EagleHead, load_eagle_head
+from lyanna.drafters.scopes import LAYER_SCOPE
 from lyanna.kv_cache import KVCache
 from lyanna.model.cpu_kernels import prepack_linears
 from lyanna.model.transformer import ForwardContext, Transformer
@@ -111,7 +113,8 @@ class EagleDrafter(DynamicTreeDrafter):
         ctx = ForwardContext(
             self.cache, slots, positions, None, self.head.rope_cos, self.head.rope_sin
         )
-        out = self.head.layer(self.head.fuse(feats, self.embedding(tokens)), ctx, 0)
+        with record_function(LAYER_SCOPE):
+            out = self.head.layer(self.head.fuse(feats, self.embedding(tokens)), ctx, 0)
         for b, (s, h) in enumerate(zip(states, hidden, strict=True)):
             n = h.shape[0]
             self.cache.commit(s.slot, torch.arange(n))

@@ -16,10 +16,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function
 
 from lyanna.drafters.base import DraftBudget, VerifiedStep
 from lyanna.drafters.checkpoint import read_checkpoint
 from lyanna.drafters.lyanna_model import LyannaDraftConfig, LyannaDraftModel
+from lyanna.drafters.scopes import LAYER_SCOPE, LM_HEAD_SCOPE
 from lyanna.drafters.token_info_tree import build_subtree, resample_subtree
 from lyanna.kv_cache import KVCache
 from lyanna.model.cpu_kernels import prepack_linears
@@ -154,8 +156,10 @@ class LyannaDrafter:
 
     @torch.inference_mode()
     def _fresh_trees(self, states: list[_SeqState]) -> list[TokenTree]:
-        chains = self._chains(states)  # [B, N, n]
-        logits = self.draft.chain_logits(chains)  # [B, N, num_hot]: one GEMM
+        with record_function(LAYER_SCOPE):
+            chains = self._chains(states)  # [B, N, n]
+        with record_function(LM_HEAD_SCOPE):
+            logits = self.draft.chain_logits(chains)  # [B, N, num_hot]: one GEMM
         trees = []
         for state, chain_logits in zip(states, logits, strict=True):
             state.chain_logits = chain_logits

@@ -21,10 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from lyanna.drafters.base import DraftBudget, VerifiedStep
 from lyanna.drafters.checkpoint import read_checkpoint
 from lyanna.drafters.dynamic_tree import DynamicTreeDrafter, TreeContext, hot_lm_head
+from lyanna.drafters.scopes import LAYER_SCOPE
 from lyanna.kv_cache import KVCache
 from lyanna.model.cpu_kernels import prepack_linears
 from lyanna.model.transformer import ForwardContext, Transformer, rope_tables
@@ -151,7 +153,8 @@ class SpsDrafter(DynamicTreeDrafter):
         slots = torch.tensor([s.slot for s in states])
         positions = self.cache.lengths[slots][:, None] + torch.arange(q)
         ctx = ForwardContext(self.cache, slots, positions, None, self.rope_cos, self.rope_sin)
-        out = self._layers(self.student.embed_tokens(tokens), ctx)
+        with record_function(LAYER_SCOPE):
+            out = self._layers(self.student.embed_tokens(tokens), ctx)
         for b, s in enumerate(states):
             n = len(s.pending)
             self.cache.commit(s.slot, torch.arange(n))

@@ -17,7 +17,9 @@ frontier is {server, speed}.
 from __future__ import annotations
 
 import torch
+from torch.profiler import record_function
 
+from lyanna.drafters.scopes import SOFTMAX_SCOPE
 from lyanna.tree import DraftScheme, TokenTree
 
 
@@ -35,13 +37,15 @@ def build_subtree(
     frontier_log_joint = torch.zeros(1, dtype=torch.float64)
     frontier_hot = hot_index[torch.tensor([root_token])]  # [f] hot rows of frontier tokens
     for step in range(logits.shape[0]):
-        rows = logits[step].expand(frontier.numel(), -1).float()
-        if info_table is not None:
-            known = frontier_hot >= 0
-            if bool(known.any()):
-                rows = rows.clone()
-                rows[known] += info_table[frontier_hot[known]].float()
-        child_probs, child_cols = torch.softmax(rows, dim=-1).topk(top_k, dim=-1)  # [f, k]
+        with record_function(SOFTMAX_SCOPE):
+            rows = logits[step].expand(frontier.numel(), -1).float()
+            if info_table is not None:
+                known = frontier_hot >= 0
+                if bool(known.any()):
+                    rows = rows.clone()
+                    rows[known] += info_table[frontier_hot[known]].float()
+            probs_rows = torch.softmax(rows, dim=-1)
+        child_probs, child_cols = probs_rows.topk(top_k, dim=-1)  # [f, k]
         child_log_joint = frontier_log_joint[:, None] + child_probs.double().log()
         first_new = len(tokens)
         child_tokens = hot_ids[child_cols].flatten().tolist()

@@ -1,0 +1,94 @@
+"""Where a draft step's time goes (the Lyanna paper's Figure 13): layer forward, LM head,
+softmax, and the rest (sampling: top-k, tree bookkeeping, pruning, fusion), per drafter.
+
+    python -m bench.drafter_breakdown [--methods eagle,lyanna] [--limit-per-category 1]
+        [--max-tokens 64] [--depth 5 --top-k 4 --budget 16] [--threads 1]
+
+Each method first runs the prompts without a profiler (wall-clock draft ms per step), then
+again under ``torch.profiler`` whose ``record_function`` scopes (``lyanna.drafters.scopes``)
+split the draft time; the profiler's own overhead inflates the small-op share, so the split
+is reported as shares of the profiled draft time and applied to the unprofiled wall clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.common import print_table
+from bench.spec_bench import BenchSetup
+from lyanna.drafters import DraftBudget, make_drafter
+from lyanna.drafters.scopes import LAYER_SCOPE, LM_HEAD_SCOPE, SOFTMAX_SCOPE
+from lyanna.engine import EngineConfig, SpecEngine
+from lyanna.sampling import SamplingParams
+from lyanna.sequence import Sequence
+from lyanna.stats import SpecStats
+
+SCOPES = (LAYER_SCOPE, LM_HEAD_SCOPE, SOFTMAX_SCOPE)
+
+
+def run(setup: BenchSetup, method: str, budget: DraftBudget, params: SamplingParams) -> SpecStats:
+    drafter = make_drafter(method, setup.model, budget)
+    stats = SpecStats()
+    for i, prompt in enumerate(p for ps in setup.prompts.values() for p in ps):
+        engine = SpecEngine(setup.model, drafter, EngineConfig(max_batch=1, max_len=2048))
+        engine.submit(Sequence(i, prompt, params, setup.eos))
+        stats.merge(engine.run())
+    return stats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--methods", default="eagle,lyanna")
+    parser.add_argument("--limit-per-category", type=int, default=1)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--depth", type=int, default=5)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--budget", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=0)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    setup = BenchSetup.load(per_category=args.limit_per_category)
+    budget = DraftBudget(args.depth, args.top_k, args.budget)
+    params = SamplingParams(max_tokens=args.max_tokens)
+    rows = []
+    for method in args.methods.split(","):
+        run(setup, method, budget, SamplingParams(max_tokens=8))  # warm-up
+        plain = run(setup, method, budget, params)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            profiled = run(setup, method, budget, params)
+        by_name = {e.key: e.cpu_time_total / 1e6 for e in prof.key_averages()}
+        scoped = [by_name.get(scope, 0.0) for scope in SCOPES]
+        total = profiled.draft_seconds
+        shares = [t / total for t in scoped] + [max(0.0, 1 - sum(scoped) / total)]
+        per_step_ms = 1e3 * plain.draft_seconds / plain.num_steps
+        rows.append(
+            [method, per_step_ms, *[per_step_ms * s for s in shares], *[100 * s for s in shares]]
+        )
+    print(
+        f"\nDraft step breakdown: {setup.num_prompts} prompts, batch 1, depth {args.depth}, "
+        f"top-k {args.top_k}, budget {args.budget}; ms per draft step (wall clock) split by "
+        "profiler shares\n"
+    )
+    print_table(
+        [
+            "method",
+            "draft ms/step",
+            "layer ms",
+            "LM head ms",
+            "softmax ms",
+            "sampling+tree ms",
+            "layer %",
+            "LM head %",
+            "softmax %",
+            "sampling+tree %",
+        ],
+        rows,
+    )
+
+
+if __name__ == "__main__":
+    main()
