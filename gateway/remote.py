@@ -44,6 +44,7 @@ from gateway.backend import (
     StepFacts,
     TokenDelta,
 )
+from gateway.remote_drafter import DrafterLink
 from gateway.remote_seq import RemoteSeq, root_only_tree
 from lyanna.sequence import Sequence
 from services import codec
@@ -52,8 +53,6 @@ from services.pb import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2,
 logger = logging.getLogger(__name__)
 
 TARGET_ONLY = "ar"
-_STATE_ERRORS = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
-_REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,9 +112,6 @@ class RemoteBackend:
         self.default_method = config.method if config.drafter_addr else TARGET_ONLY
         self.methods = tuple(dict.fromkeys((self.default_method, TARGET_ONLY)))
         self.max_context = 0
-        self.needs_hidden = True  # until the drafter says otherwise
-        self.budget = 0  # the drafter's max draft tokens (fusion budget)
-        self.num_plane_transfers = 0  # hidden-state hand-overs that went over the data plane
         self.num_fallback_steps = 0
         self.num_verified_steps = 0
         self._ids = itertools.count(random.getrandbits(31) << 20)
@@ -125,9 +121,9 @@ class RemoteBackend:
         self._admit = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._closing = False
-        self._drafter_down_until = 0.0
-        self._drafter_error = ""
         self._channels: list[grpc.aio.Channel] = []
+        self._verifier: verifier_pb2_grpc.VerifierStub | None = None
+        self.drafter: DrafterLink | None = None  # None: target-only decoding
 
     # -- GenerationBackend ------------------------------------------------------------------
 
@@ -136,11 +132,18 @@ class RemoteBackend:
         channel = grpc.aio.insecure_channel(self.config.verifier_addr, options=options)
         self._channels.append(channel)
         self._verifier = verifier_pb2_grpc.VerifierStub(channel)
-        self._drafter = None
         if self.config.drafter_addr:
             channel = grpc.aio.insecure_channel(self.config.drafter_addr, options=options)
             self._channels.append(channel)
-            self._drafter = drafter_pb2_grpc.DrafterStub(channel)
+            config = self.config
+            self.drafter = DrafterLink(
+                drafter_pb2_grpc.DrafterStub(channel),
+                config.method,
+                config.draft_deadline,
+                config.control_deadline,
+                config.drafter_retry_seconds,
+                config.use_data_plane,
+            )
         try:
             capacity = await self._verifier.Capacity(
                 verifier_pb2.CapacityRequest(), timeout=self.config.control_deadline
@@ -149,7 +152,9 @@ class RemoteBackend:
             where = self.config.verifier_addr
             raise BackendUnavailable(f"verifier at {where}: {error.details()}") from None
         self.max_context = capacity.max_len - capacity.reserved_rows
-        await self._describe_drafter()
+        if self.drafter is not None and await self.drafter.describe():
+            self.default_method = self.drafter.method
+            self.methods = tuple(dict.fromkeys((self.drafter.method, TARGET_ONLY)))
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._admit_loop(), name="remote-admit")]
         self._tasks += [loop.create_task(self._lane_loop(lane)) for lane in self._lanes]
@@ -180,9 +185,8 @@ class RemoteBackend:
             status["verifier"] = "ok"
         except grpc.aio.AioRpcError as error:
             status["verifier"] = f"{error.code().name}: {error.details()}"
-        if self._drafter is not None:
-            down = time.monotonic() < self._drafter_down_until
-            status["drafter"] = f"fallback: {self._drafter_error}" if down else "ok"
+        if self.drafter is not None:
+            status["drafter"] = self.drafter.status()
         return status
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
@@ -199,9 +203,9 @@ class RemoteBackend:
         sequence = Sequence(
             next(self._ids), list(request.prompt_ids), request.params, self._eos, self._detokenize
         )
-        use_drafter = method != TARGET_ONLY and self._drafter is not None
+        use_drafter = method != TARGET_ONLY and self.drafter is not None
         seq = RemoteSeq(sequence, method, asyncio.Queue(), use_drafter)
-        seq.keep_hidden = use_drafter and self.needs_hidden and not self.config.use_data_plane
+        seq.keep_hidden = use_drafter and self.drafter.needs_hidden and not self.drafter.plane_ok
         self._waiting.append(seq)
         self._admit.set()
         try:
@@ -219,20 +223,6 @@ class RemoteBackend:
                     self._waiting.remove(seq)
 
     # -- admission -------------------------------------------------------------------------
-
-    async def _describe_drafter(self) -> None:
-        if self._drafter is None:
-            return
-        try:
-            info = await self._drafter.Info(
-                drafter_pb2.InfoRequest(), timeout=self.config.control_deadline
-            )
-        except grpc.aio.AioRpcError as error:
-            self._drafter_unreachable(error)
-            return
-        self.needs_hidden, self.budget = info.needs_hidden, info.max_draft_tokens
-        self.default_method = info.method
-        self.methods = tuple(dict.fromkeys((info.method, TARGET_ONLY)))
 
     async def _admit_loop(self) -> None:
         while not self._closing:
@@ -254,7 +244,13 @@ class RemoteBackend:
                     asyncio.get_running_loop().call_later(0.2, self._admit.set)
                     break
                 batch = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
-                await self._prefill([s for s in batch if not s.cancelled])
+                batch = [s for s in batch if not s.cancelled]
+                try:
+                    await self._prefill(batch)
+                except Exception as error:  # a bug must not stop admission
+                    logger.exception("prefill failed")
+                    for seq in batch:
+                        seq.deliver(BackendUnavailable(f"internal error: {error}"))
 
     def _fail_waiting(self, error: grpc.aio.AioRpcError) -> None:
         failure = BackendUnavailable(f"verifier: {error.code().name}: {error.details()}")
@@ -269,7 +265,7 @@ class RemoteBackend:
                 seq_id=s.seq_id,
                 prompt_ids=s.sequence.prompt_ids,
                 params=codec.encode_params(s.sequence.params),
-                return_hidden=s.use_drafter and self.needs_hidden,
+                return_hidden=self.drafter is not None and self.drafter.wants_hidden(s, True),
             )
             for s in batch
         ]
@@ -278,8 +274,12 @@ class RemoteBackend:
                 verifier_pb2.PrefillRequest(items=items), timeout=self.config.prefill_deadline
             )
         except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # slots went elsewhere
+                self._waiting.extendleft(reversed(batch))
+                asyncio.get_running_loop().call_later(0.2, self._admit.set)
+                return
             failure: Exception = BackendUnavailable(f"verifier: {error.details()}")
-            if error.code() in _REFUSED:
+            if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 failure = ValueError(error.details())
             for seq in batch:
                 seq.deliver(failure)
@@ -323,81 +323,20 @@ class RemoteBackend:
                 await lane.wake.wait()
                 continue
             batch = list(lane.seqs)
-            start = time.perf_counter()
-            proposals = await self._draft(batch)
-            draft_seconds = time.perf_counter() - start
-            finished = await self._verify(batch, proposals, draft_seconds)
+            try:
+                start = time.perf_counter()
+                proposals = await self.drafter.propose(batch) if self.drafter else {}
+                draft_seconds = time.perf_counter() - start
+                finished = await self._verify(batch, proposals, draft_seconds)
+            except Exception as error:  # a bug must not strand the lane's requests
+                logger.exception("lane step failed")
+                failure = BackendUnavailable(f"internal error: {error}")
+                for seq in batch:
+                    seq.deliver(failure)
+                finished = batch
             if finished:
                 lane.seqs = [s for s in lane.seqs if s not in finished]
                 await self._release(finished)
-
-    async def _draft(self, batch: list[RemoteSeq]) -> dict[int, drafter_pb2.Proposal]:
-        drafted = [s for s in batch if s.use_drafter]
-        if not drafted or time.monotonic() < self._drafter_down_until:
-            return {}
-        stale = [s for s in drafted if not s.drafter_synced]
-        if stale and not await self._start_drafting(stale):
-            return {}
-        ready = [s for s in drafted if s.drafter_synced and s.use_drafter]
-        if not ready:
-            return {}
-        request = drafter_pb2.ProposeRequest(items=[s.propose_item() for s in ready])
-        try:
-            response = await self._drafter.Propose(request, timeout=self.config.draft_deadline)
-        except grpc.aio.AioRpcError as error:
-            self._drafter_failed(error, ready)
-            return {}
-        proposals = {}
-        for seq, proposal in zip(ready, response.proposals, strict=True):
-            seq.pending_step = None
-            seq.drafter_committed = proposal.ref.num_committed
-            seq.resampled_accepted += proposal.num_resampled_accepted
-            proposals[seq.seq_id] = proposal
-        return proposals
-
-    async def _start_drafting(self, seqs: list[RemoteSeq]) -> bool:
-        """(Re)start the drafter for ``seqs`` from their full history; False if it failed."""
-        for seq in seqs:
-            rows = sum(h.shape[0] for h in seq.hidden_history)
-            if self.needs_hidden and rows != seq.num_committed:
-                seq.use_drafter = False  # hidden states went over the data plane: no resync
-        seqs = [s for s in seqs if s.use_drafter]
-        deadline = self.config.control_deadline
-        try:
-            started = [s.seq_id for s in seqs if s.drafter_started]
-            if started:
-                await self._drafter.Release(
-                    common_pb2.ReleaseRequest(seq_ids=started), timeout=deadline
-                )
-            items = [s.start_item(self.needs_hidden) for s in seqs]
-            for seq in seqs:
-                seq.drafter_started = True
-            if items:
-                await self._drafter.Start(drafter_pb2.StartRequest(items=items), timeout=deadline)
-        except grpc.aio.AioRpcError as error:
-            self._drafter_failed(error, seqs)
-            return False
-        for seq in seqs:
-            seq.drafter_synced, seq.pending_step = True, None
-            seq.drafter_committed = seq.num_committed
-            if not seq.keep_hidden:
-                seq.hidden_history = []
-        return True
-
-    def _drafter_failed(self, error: grpc.aio.AioRpcError, seqs: list[RemoteSeq]) -> None:
-        for seq in seqs:
-            seq.desync()
-            if error.code() in _REFUSED:
-                seq.use_drafter = False  # it cannot hold or parse this one: target-only
-        if error.code() in _STATE_ERRORS or error.code() in _REFUSED:
-            logger.warning("drafter refused %d sequences: %s", len(seqs), error.details())
-        else:
-            self._drafter_unreachable(error)
-
-    def _drafter_unreachable(self, error: grpc.aio.AioRpcError) -> None:
-        self._drafter_error = f"{error.code().name}: {error.details()}"
-        self._drafter_down_until = time.monotonic() + self.config.drafter_retry_seconds
-        logger.warning("drafter unavailable (%s); target-only steps", self._drafter_error)
 
     async def _verify(
         self,
@@ -410,14 +349,16 @@ class RemoteBackend:
         for seq in batch:
             proposal = proposals.get(seq.seq_id)
             tree = proposal.tree if proposal is not None else root_only_tree(seq.next_token)
-            wants_hidden = seq.use_drafter and self.needs_hidden
-            wants_hidden &= seq.keep_hidden or proposal is not None
+            wants_hidden = self.drafter is not None and self.drafter.wants_hidden(
+                seq, proposal is not None
+            )
             item = verifier_pb2.VerifyItem(ref=seq.ref(), tree=tree, return_hidden=wants_hidden)
             if proposal is not None and proposal.HasField("resampled"):
                 item.resampled.CopyFrom(proposal.resampled)
-                item.max_draft_tokens = self.budget
+                item.max_draft_tokens = self.drafter.budget
             items.append(item)
-        request = verifier_pb2.VerifyRequest(items=items, use_data_plane=self.config.use_data_plane)
+        use_plane = self.drafter is not None and self.drafter.plane_ok
+        request = verifier_pb2.VerifyRequest(items=items, use_data_plane=use_plane)
         start = time.perf_counter()
         try:
             response = await self._verifier.Verify(request, timeout=self.config.verify_deadline)
@@ -452,19 +393,8 @@ class RemoteBackend:
         seq.next_token = result.tokens[-1]
         if seq.keep_hidden and result.hidden.WhichOneof("payload") == "tensor":
             seq.hidden_history.append(codec.decode_tensor(result.hidden.tensor))
-        if not (seq.use_drafter and seq.drafter_synced):
-            return
-        if seq.pending_step is not None:  # the drafter missed a step: start it again
-            seq.desync()
-            return
-        seq.pending_step = drafter_pb2.VerifiedStep(
-            committed=result.committed,
-            next_token=seq.next_token,
-            num_accepted=result.num_accepted,
-        )
-        if result.HasField("hidden"):
-            seq.pending_step.hidden.CopyFrom(result.hidden)
-            self.num_plane_transfers += result.hidden.WhichOneof("payload") == "plane"
+        if self.drafter is not None:
+            self.drafter.learn(seq, result)
 
     async def _release(self, seqs: list[RemoteSeq]) -> None:
         """Forget finished or cancelled sequences in both services (best effort)."""
@@ -476,10 +406,12 @@ class RemoteBackend:
                 common_pb2.ReleaseRequest(seq_ids=[s.seq_id for s in seqs]), timeout=deadline
             )
         ]
-        drafted = [s.seq_id for s in seqs if s.drafter_started]
-        if drafted and self._drafter is not None:
-            request = common_pb2.ReleaseRequest(seq_ids=drafted)
-            calls.append(self._drafter.Release(request, timeout=deadline))
+        if self.drafter is not None:
+            gone = {id(s) for s in seqs}
+            staying = [s for lane in self._lanes for s in lane.seqs if id(s) not in gone]
+            request = self.drafter.release_request(seqs, staying)
+            if request is not None:
+                calls.append(self.drafter.stub.Release(request, timeout=deadline))
         for outcome in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(outcome, grpc.aio.AioRpcError):
                 logger.warning("release failed: %s", outcome.details())

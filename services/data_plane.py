@@ -80,6 +80,10 @@ class DataPlane:
         dist.recv(buffer, src=1 - self.rank, tag=transfer_id % TAG_MODULUS)
         return buffer.to("cpu")
 
+    def mark_broken(self) -> None:
+        """Stop using the plane (the peer died); callers fall back to inline tensors."""
+        self._ready.clear()
+
     def close(self) -> None:
         if self.ready:
             self._ready.clear()

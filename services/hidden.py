@@ -9,11 +9,15 @@ data-plane transfer once and checking every shape against the model's hidden siz
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from services import codec
 from services.data_plane import DataPlane
 from services.pb import common_pb2
+
+log = logging.getLogger("lyanna.services.hidden")
 
 
 class HiddenSender:
@@ -34,7 +38,12 @@ class HiddenSender:
         if not present:
             return [None] * len(rows)
         batch = torch.cat(present)  # [sum n_i, hidden]
-        transfer_id = self.plane.send(batch)
+        try:
+            transfer_id = self.plane.send(batch)
+        except RuntimeError as error:  # the peer is gone: inline from now on
+            log.warning("data plane send failed (%s); hidden states travel inline", error)
+            self.plane.mark_broken()
+            return self.encode(rows)
         messages: list[common_pb2.HiddenStates | None] = []
         offset = 0
         for r in rows:
@@ -84,6 +93,11 @@ class HiddenReceiver:
                 f"got {list(rows.shape)}"
             )
         return rows
+
+    def discard(self, ref: common_pb2.PlaneRef) -> None:
+        """Receive a transfer nobody will read (its sequences finished) and drop it."""
+        if self.plane is not None and self.plane.ready:
+            self._from_plane(ref)
 
     def end_batch(self) -> None:
         """Forget the transfers of the finished call (each is used by one micro-batch)."""

@@ -144,6 +144,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def Release(self, request, context) -> common_pb2.ReleaseResponse:
         with self._lock:
             released = sum(self._drop(seq_id) for seq_id in request.seq_ids)
+            try:
+                for ref in request.discard:
+                    self.receiver.discard(ref)
+            finally:
+                self.receiver.end_batch()
         return common_pb2.ReleaseResponse(num_released=released)
 
     # -- helpers ---------------------------------------------------------------------------

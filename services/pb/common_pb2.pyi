@@ -87,10 +87,12 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("seq_ids",)
+    __slots__ = ("seq_ids", "discard")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    DISCARD_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    discard: _containers.RepeatedCompositeFieldContainer[PlaneRef]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., discard: _Optional[_Iterable[_Union[PlaneRef, _Mapping]]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("num_released",)

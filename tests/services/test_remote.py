@@ -38,6 +38,8 @@ MAX_TOKENS = 24
 def ngram_services(tiny_model_dir):
     with launch(tiny_model_dir, "ngram", drafter_args=BUDGET_FLAGS) as deployment:
         yield deployment
+    # SIGTERM drained the services and they exited cleanly
+    assert all(c.process.returncode == 0 for c in deployment.children.values())
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +99,7 @@ def test_lyanna_greedy_equals_engine_and_plain(lyanna_services, tiny_loaded, pip
     drafter = tiny_lyanna(tiny_loaded, BUDGET)
     assert engine_outputs(tiny_loaded, drafter, PROMPTS, params) == expected
     steps = [s for o in outcomes for s in o.steps]
-    assert backend.needs_hidden and sum(s.num_drafted for s in steps) > 0
+    assert backend.drafter.needs_hidden and sum(s.num_drafted for s in steps) > 0
     assert not any(s.drafter_fallback for s in steps)
 
 
@@ -169,7 +171,7 @@ def test_cancel_releases_both_services(ngram_services) -> None:
                 break
             await asyncio.sleep(0.05)
         capacity = await backend._verifier.Capacity(verifier_pb2.CapacityRequest(), timeout=5)
-        released = await backend._drafter.Release(
+        released = await backend.drafter.stub.Release(
             common_pb2.ReleaseRequest(seq_ids=[seq_id]), timeout=5
         )
         await backend.stop()
@@ -196,7 +198,7 @@ def test_killed_drafter_falls_back_then_recovers(tiny_model_dir, tiny_loaded) ->
         )
         await asyncio.to_thread(deployment.restart, "drafter")
         # the channel reconnects with a backoff of at most 2 s; wait until it has
-        await backend._drafter.Info(drafter_pb2.InfoRequest(), wait_for_ready=True, timeout=10)
+        await backend.drafter.stub.Info(drafter_pb2.InfoRequest(), wait_for_ready=True, timeout=10)
         await asyncio.sleep(0.3)  # past the retry interval of the last failure
         after = await collect(backend, PROMPTS[0], SamplingParams(max_tokens=24))
         await backend.stop()
@@ -226,6 +228,6 @@ def test_gloo_data_plane_carries_hidden_states(tiny_model_dir, tiny_loaded) -> N
         config = config_for(deployment, use_data_plane=True)
         outcomes, backend = run_remote(config, PROMPTS, params)
     assert [o.tokens for o in outcomes] == plain_greedy(tiny_loaded, PROMPTS, MAX_TOKENS)
-    assert backend.num_plane_transfers > 0
+    assert backend.drafter.num_plane_transfers > 0
     steps = [s for o in outcomes for s in o.steps]
     assert not any(s.drafter_fallback for s in steps)

@@ -1,0 +1,180 @@
+"""The remote backend's link to the drafter service: proposing trees for a micro-batch,
+(re)starting sequences from their committed history, the circuit breaker behind the
+target-only fallback, and the verified steps the drafter has yet to see.
+
+A drafter call that fails for an unreachable or late drafter opens the breaker for
+``retry_seconds`` (those steps verify root-only trees); NOT_FOUND / FAILED_PRECONDITION mean
+the drafter lost or disagrees about a sequence, which is then started again from its full
+history; INVALID_ARGUMENT / RESOURCE_EXHAUSTED (cannot parse or hold it) leave that sequence
+target-only for good. Target-only steps are exact, so none of this changes the output.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from gateway.remote_seq import RemoteSeq
+from services.pb import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2
+
+logger = logging.getLogger(__name__)
+
+STATE_ERRORS = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
+REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+class DrafterLink:
+    def __init__(
+        self,
+        stub: drafter_pb2_grpc.DrafterStub,
+        method: str,
+        draft_deadline: float,
+        control_deadline: float,
+        retry_seconds: float,
+        use_data_plane: bool,
+    ) -> None:
+        self.stub = stub
+        self.method = method
+        self.draft_deadline, self.control_deadline = draft_deadline, control_deadline
+        self.retry_seconds = retry_seconds
+        self.plane_ok = use_data_plane  # off for good once the drafter has failed
+        self.needs_hidden = True  # until the drafter says otherwise
+        self.budget = 0  # max draft tokens (the budget of verifier-side fusion)
+        self.num_plane_transfers = 0  # verified steps whose hidden rows used the data plane
+        self._down_until = 0.0
+        self._error = ""
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def status(self) -> str:
+        return "ok" if self.available else f"fallback: {self._error}"
+
+    async def describe(self) -> bool:
+        """Learn the drafter's method, budget and whether it reads hidden states."""
+        try:
+            info = await self.stub.Info(drafter_pb2.InfoRequest(), timeout=self.control_deadline)
+        except grpc.aio.AioRpcError as error:
+            self._unreachable(error)
+            return False
+        self.method, self.needs_hidden, self.budget = (
+            info.method,
+            info.needs_hidden,
+            info.max_draft_tokens,
+        )
+        return True
+
+    async def propose(self, batch: list[RemoteSeq]) -> dict[int, drafter_pb2.Proposal]:
+        """One tree per drafted sequence of the batch; {} when the step must run target-only."""
+        drafted = [s for s in batch if s.use_drafter]
+        if not drafted or not self.available:
+            return {}
+        stale = [s for s in drafted if not s.drafter_synced]
+        if stale and not await self._start(stale):
+            return {}
+        ready = [s for s in drafted if s.drafter_synced and s.use_drafter]
+        if not ready:
+            return {}
+        request = drafter_pb2.ProposeRequest(items=[s.propose_item() for s in ready])
+        try:
+            response = await self.stub.Propose(request, timeout=self.draft_deadline)
+        except grpc.aio.AioRpcError as error:
+            self._failed(error, ready)
+            return {}
+        proposals = {}
+        for seq, proposal in zip(ready, response.proposals, strict=True):
+            seq.pending_step = None
+            seq.drafter_committed = proposal.ref.num_committed
+            seq.resampled_accepted += proposal.num_resampled_accepted
+            proposals[seq.seq_id] = proposal
+        return proposals
+
+    def wants_hidden(self, seq: RemoteSeq, proposed: bool) -> bool:
+        """Ask the verifier for the accepted path's hidden states of this sequence?"""
+        return seq.use_drafter and self.needs_hidden and (seq.keep_hidden or proposed)
+
+    def learn(self, seq: RemoteSeq, result: verifier_pb2.VerifyResult) -> None:
+        """Queue a verification for the drafter's next Propose of this sequence."""
+        if not (seq.use_drafter and seq.drafter_synced):
+            return
+        if seq.pending_step is not None:  # it missed a step (fallback): start it again
+            seq.desync()
+            return
+        seq.pending_step = drafter_pb2.VerifiedStep(
+            committed=result.committed,
+            next_token=result.tokens[-1],
+            num_accepted=result.num_accepted,
+        )
+        if result.HasField("hidden"):
+            seq.pending_step.hidden.CopyFrom(result.hidden)
+            self.num_plane_transfers += result.hidden.WhichOneof("payload") == "plane"
+
+    def release_request(
+        self, leaving: list[RemoteSeq], staying: list[RemoteSeq]
+    ) -> common_pb2.ReleaseRequest | None:
+        """Release the leaving sequences and drain data-plane transfers only they would have
+        consumed (so the verifier's sends complete)."""
+        live = {ref.transfer_id for s in staying if (ref := _plane_ref(s)) is not None}
+        orphans = {
+            ref.transfer_id: ref
+            for s in leaving
+            if (ref := _plane_ref(s)) is not None and ref.transfer_id not in live
+        }
+        seq_ids = [s.seq_id for s in leaving if s.drafter_started]
+        if not seq_ids and not orphans:
+            return None
+        return common_pb2.ReleaseRequest(seq_ids=seq_ids, discard=list(orphans.values()))
+
+    async def _start(self, seqs: list[RemoteSeq]) -> bool:
+        """(Re)start the drafter for ``seqs`` from their full history; False if it failed."""
+        for seq in seqs:
+            rows = sum(h.shape[0] for h in seq.hidden_history)
+            if self.needs_hidden and rows != seq.num_committed:
+                seq.use_drafter = False  # hidden states went over the data plane: no resync
+        seqs = [s for s in seqs if s.use_drafter]
+        try:
+            started = [s.seq_id for s in seqs if s.drafter_started]
+            if started:
+                request = common_pb2.ReleaseRequest(seq_ids=started)
+                await self.stub.Release(request, timeout=self.control_deadline)
+            items = [s.start_item(self.needs_hidden) for s in seqs]
+            for seq in seqs:
+                seq.drafter_started = True
+            if items:
+                request = drafter_pb2.StartRequest(items=items)
+                await self.stub.Start(request, timeout=self.control_deadline)
+        except grpc.aio.AioRpcError as error:
+            self._failed(error, seqs)
+            return False
+        for seq in seqs:
+            seq.drafter_synced, seq.pending_step = True, None
+            seq.drafter_committed = seq.num_committed
+            if not seq.keep_hidden:
+                seq.hidden_history = []
+        return True
+
+    def _failed(self, error: grpc.aio.AioRpcError, seqs: list[RemoteSeq]) -> None:
+        for seq in seqs:
+            seq.desync()
+            if error.code() in REFUSED:
+                seq.use_drafter = False
+        if error.code() in STATE_ERRORS or error.code() in REFUSED:
+            logger.warning("drafter refused %d sequences: %s", len(seqs), error.details())
+        else:
+            self._unreachable(error)
+
+    def _unreachable(self, error: grpc.aio.AioRpcError) -> None:
+        self.plane_ok = False  # a restarted drafter is not in the old process group
+        self._error = f"{error.code().name}: {error.details()}"
+        self._down_until = time.monotonic() + self.retry_seconds
+        logger.warning("drafter unavailable (%s); target-only steps", self._error)
+
+
+def _plane_ref(seq: RemoteSeq) -> common_pb2.PlaneRef | None:
+    step = seq.pending_step
+    if step is None or step.hidden.WhichOneof("payload") != "plane":
+        return None
+    return step.hidden.plane

@@ -1,0 +1,105 @@
+"""The servicers called in-process (no sockets): the verifier fuses a re-sampled subtree sent
+apart from the fresh tree under the budget, refuses duplicate sequences in one call, and the
+drafter refuses a Propose whose hidden states have the wrong shape."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from lyanna.drafters import DraftBudget
+from lyanna.drafters.ngram import NgramDrafter
+from lyanna.target import TargetConfig, TargetRunner
+from lyanna.tree import DraftScheme, TokenTree
+from services import codec
+from services.drafter.server import DrafterConfig, DrafterServicer
+from services.hidden import HiddenReceiver, HiddenSender
+from services.pb import common_pb2, drafter_pb2, verifier_pb2
+from services.verifier.server import VerifierConfig, VerifierServicer
+from tests.conftest import make_tiny_model
+from tests.services.tiny_drafters import tiny_lyanna
+
+
+class Aborted(Exception):
+    pass
+
+
+class FakeContext:
+    def abort(self, code: grpc.StatusCode, details: str):
+        raise Aborted(code, details)
+
+
+def verifier() -> VerifierServicer:
+    runner = TargetRunner(make_tiny_model(2, vocab_size=16), TargetConfig(max_seqs=2, max_len=128))
+    return VerifierServicer(runner, VerifierConfig(max_tree_nodes=32), HiddenSender())
+
+
+def prefill(servicer: VerifierServicer, seq_id: int, prompt: list[int]) -> int:
+    item = verifier_pb2.PrefillItem(seq_id=seq_id, prompt_ids=prompt)
+    item.params.max_tokens = 8
+    response = servicer.Prefill(verifier_pb2.PrefillRequest(items=[item]), FakeContext())
+    return response.results[0].first_token
+
+
+def test_verifier_fuses_a_resampled_subtree_under_the_budget() -> None:
+    servicer = verifier()
+    root = prefill(servicer, 1, [1, 2, 3])
+    fresh = TokenTree.from_parents([root, 4, 5], [-1, 0, 1], scheme=DraftScheme.TOPK)
+    resampled = TokenTree.from_parents([root, 4, 6, 7], [-1, 0, 1, 0], scheme=DraftScheme.TOPK)
+    item = verifier_pb2.VerifyItem(
+        ref=common_pb2.SeqRef(seq_id=1, num_committed=3),
+        tree=codec.encode_tree(fresh),
+        resampled=codec.encode_tree(resampled),
+        max_draft_tokens=3,
+    )
+    response = servicer.Verify(verifier_pb2.VerifyRequest(items=[item]), FakeContext())
+    assert response.results[0].num_drafted == 3  # union 4,5,6,7 pruned to the budget
+    assert response.results[0].ref.num_committed == 3 + len(response.results[0].committed)
+
+
+def test_verifier_refuses_duplicates_and_room_overflow() -> None:
+    servicer = verifier()
+    root = prefill(servicer, 1, [1, 2, 3])
+    ref = common_pb2.SeqRef(seq_id=1, num_committed=3)
+    tree = codec.encode_tree(TokenTree.root_only(root))
+    item = verifier_pb2.VerifyItem(ref=ref, tree=tree)
+    with pytest.raises(Aborted) as error:
+        servicer.Verify(verifier_pb2.VerifyRequest(items=[item, item]), FakeContext())
+    assert error.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(Aborted) as error:
+        prefill(servicer, 2, [1] * 100)  # 100 + 8 + 32-node tree > 128 rows
+    assert error.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert servicer.runner.num_free_slots == 1
+
+
+def test_drafter_checks_hidden_shapes_and_refs() -> None:
+    model = make_tiny_model(2, vocab_size=16)
+    budget = DraftBudget(4, 2, 6)
+    receiver = HiddenReceiver(model.config.hidden_size, torch.float32)
+    servicer = DrafterServicer(tiny_lyanna(model, budget), DrafterConfig(), receiver, 16)
+    start = drafter_pb2.StartItem(
+        ref=common_pb2.SeqRef(seq_id=5, num_committed=3), prompt_ids=[1, 2, 3], first_token=4
+    )
+    start.prompt_hidden.tensor.CopyFrom(codec.encode_tensor(torch.zeros(2, 32)))
+    with pytest.raises(Aborted) as error:
+        servicer.Start(drafter_pb2.StartRequest(items=[start]), FakeContext())
+    assert error.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert "[3, 32]" in error.value.args[1]
+    start.prompt_hidden.tensor.CopyFrom(codec.encode_tensor(torch.zeros(3, 32)))
+    servicer.Start(drafter_pb2.StartRequest(items=[start]), FakeContext())
+    item = drafter_pb2.ProposeItem(ref=common_pb2.SeqRef(seq_id=5, num_committed=3))
+    proposal = servicer.Propose(drafter_pb2.ProposeRequest(items=[item]), FakeContext())
+    assert proposal.proposals[0].tree.tokens[0] == 4
+
+
+def test_drafter_without_hidden_ignores_them() -> None:
+    receiver = HiddenReceiver(32, torch.float32)
+    config = DrafterConfig(method="ngram", depth=4, top_k=2, max_draft_tokens=6)
+    servicer = DrafterServicer(NgramDrafter(config.budget), config, receiver, 16)
+    start = drafter_pb2.StartItem(
+        ref=common_pb2.SeqRef(seq_id=5, num_committed=2), prompt_ids=[1, 2], first_token=1
+    )
+    servicer.Start(drafter_pb2.StartRequest(items=[start]), FakeContext())
+    info = servicer.Info(drafter_pb2.InfoRequest(), FakeContext())
+    assert info.method == "ngram" and not info.needs_hidden and info.max_draft_tokens == 6
