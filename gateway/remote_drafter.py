@@ -84,11 +84,25 @@ class DrafterLink:
         except grpc.aio.AioRpcError as error:
             self._failed(error, ready)
             return {}
+        if len(response.proposals) != len(ready):
+            logger.warning("drafter answered %d of %d", len(response.proposals), len(ready))
+            for seq in ready:
+                seq.desync()
+            return {}
         proposals = {}
         for seq, proposal in zip(ready, response.proposals, strict=True):
             seq.pending_step = None
             seq.drafter_committed = proposal.ref.num_committed
             seq.resampled_accepted += proposal.num_resampled_accepted
+            tree = proposal.tree
+            if (
+                proposal.ref.seq_id != seq.seq_id
+                or not tree.tokens
+                or tree.tokens[0] != (seq.next_token)
+            ):
+                logger.warning("drafter proposed a tree for the wrong root; target-only step")
+                seq.desync()
+                continue
             proposals[seq.seq_id] = proposal
         return proposals
 

@@ -1,0 +1,128 @@
+"""The gateway's drafter link with a scripted stub (no processes): a sequence is started from
+its history before its first proposal, an unreachable drafter opens the breaker (target-only
+steps) until the retry interval passes, a lost sequence is started again from its full
+history, and a tree with the wrong root is never verified."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+from grpc.aio import AioRpcError, Metadata
+
+from gateway.remote_drafter import DrafterLink
+from gateway.remote_seq import RemoteSeq
+from lyanna.sampling import SamplingParams
+from lyanna.sequence import Sequence
+from services.pb import common_pb2, drafter_pb2, verifier_pb2
+
+
+def rpc_error(code: grpc.StatusCode) -> AioRpcError:
+    return AioRpcError(code, Metadata(), Metadata(), details=f"scripted {code.name}")
+
+
+class ScriptedStub:
+    """Answers Propose with a one-draft tree at the next token it was told, or raises queued
+    errors."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.errors: dict[str, list[AioRpcError]] = {}
+        self.root: int | None = None  # force this root (a misbehaving drafter)
+        self.roots: dict[int, int] = {}  # seq id -> next token as the drafter knows it
+
+    async def _call(self, name: str, request):
+        self.calls.append(name)
+        if self.errors.get(name):
+            raise self.errors[name].pop(0)
+        if name == "Start":
+            self.roots.update({item.ref.seq_id: item.first_token for item in request.items})
+        if name == "Propose":
+            proposals = []
+            for item in request.items:
+                if item.HasField("verified"):
+                    self.roots[item.ref.seq_id] = item.verified.next_token
+                root = self.root if self.root is not None else self.roots[item.ref.seq_id]
+                tree = common_pb2.TokenTree(tokens=[root, 3], parents=[-1, 0], scheme=4)
+                proposals.append(drafter_pb2.Proposal(ref=item.ref, tree=tree))
+            return drafter_pb2.ProposeResponse(proposals=proposals)
+        return common_pb2.ReleaseResponse()
+
+    async def Propose(self, request, timeout):
+        return await self._call("Propose", request)
+
+    async def Start(self, request, timeout):
+        return await self._call("Start", request)
+
+    async def Release(self, request, timeout):
+        return await self._call("Release", request)
+
+
+def make_seq(needs_hidden: bool = True) -> RemoteSeq:
+    seq = RemoteSeq(Sequence(1, [1, 2], SamplingParams()), "lyanna", asyncio.Queue(), True)
+    seq.history, seq.next_token, seq.keep_hidden = [1, 2], 7, needs_hidden
+    seq.hidden_history = [torch.zeros(2, 4)]
+    return seq
+
+
+def verified(seq: RemoteSeq, link: DrafterLink, tokens: list[int]) -> None:
+    result = verifier_pb2.VerifyResult(committed=[seq.next_token], tokens=tokens, num_accepted=0)
+    result.hidden.tensor.dtype = "float32"
+    seq.history += list(result.committed)
+    seq.hidden_history.append(torch.zeros(1, 4))
+    seq.next_token = tokens[-1]
+    link.learn(seq, result)
+
+
+@pytest.fixture()
+def link_and_stub():
+    stub = ScriptedStub()
+    link = DrafterLink(stub, "lyanna", 1.0, 1.0, retry_seconds=0.05, use_data_plane=False)
+    return link, stub
+
+
+def test_start_then_propose_then_learn(link_and_stub) -> None:
+    link, stub = link_and_stub
+    seq = make_seq()
+    proposals = asyncio.run(link.propose([seq]))
+    assert stub.calls == ["Start", "Propose"] and seq.drafter_synced
+    assert list(proposals[1].tree.tokens) == [7, 3]
+    verified(seq, link, [9])
+    assert seq.pending_step.next_token == 9 and list(seq.pending_step.committed) == [7]
+
+
+def test_unreachable_drafter_opens_the_breaker_then_recovers(link_and_stub) -> None:
+    link, stub = link_and_stub
+    seq = make_seq()
+    stub.errors["Propose"] = [rpc_error(grpc.StatusCode.UNAVAILABLE)]
+    assert asyncio.run(link.propose([seq])) == {} and not link.available
+    assert not seq.drafter_synced  # state in doubt: start it again
+    assert asyncio.run(link.propose([seq])) == {}  # breaker open: no call at all
+    assert stub.calls == ["Start", "Propose"]
+    verified(seq, link, [9])  # a target-only step the drafter never saw
+    asyncio.run(asyncio.sleep(0.06))
+    assert 1 in asyncio.run(link.propose([seq]))
+    assert stub.calls[2:] == ["Release", "Start", "Propose"]  # resync from the full history
+
+
+def test_lost_sequence_is_restarted_and_wrong_roots_are_dropped(link_and_stub) -> None:
+    link, stub = link_and_stub
+    seq = make_seq()
+    asyncio.run(link.propose([seq]))
+    verified(seq, link, [9])
+    stub.errors["Propose"] = [rpc_error(grpc.StatusCode.NOT_FOUND)]
+    assert asyncio.run(link.propose([seq])) == {} and link.available
+    stub.root = 5  # not the next token (9)
+    assert asyncio.run(link.propose([seq])) == {} and not seq.drafter_synced
+    stub.root = None
+    assert 1 in asyncio.run(link.propose([seq]))
+
+
+def test_refused_sequences_stay_target_only(link_and_stub) -> None:
+    link, stub = link_and_stub
+    seq = make_seq()
+    stub.errors["Start"] = [rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED)]
+    assert asyncio.run(link.propose([seq])) == {} and not seq.use_drafter
+    assert asyncio.run(link.propose([seq])) == {} and stub.calls == ["Start"]
