@@ -1,13 +1,46 @@
 """Drafter factories for the service tests (``--factory tests.services.tiny_drafters:NAME``):
-model-based drafters with seeded random weights sized for the tiny test model."""
+model-based drafters with seeded random weights sized for the tiny test model, and a slow
+drafter for deadline and draining tests."""
 
 from __future__ import annotations
 
-from lyanna.drafters import DraftBudget
+import os
+import time
+
+from lyanna.drafters import DraftBudget, Drafter, VerifiedStep
 from lyanna.drafters.lyanna import LyannaDrafter
+from lyanna.drafters.ngram import NgramDrafter
 from lyanna.model.transformer import Transformer
+from lyanna.tree import TokenTree
 from tests.unit.test_lyanna_drafter import tiny_draft
 
 
 def tiny_lyanna(model: Transformer, budget: DraftBudget) -> LyannaDrafter:
     return LyannaDrafter(model, tiny_draft(model), budget)
+
+
+class SlowDrafter:
+    """Delegates to a drafter but sleeps before every proposal (an overloaded drafter)."""
+
+    def __init__(self, inner: Drafter, delay_seconds: float) -> None:
+        self.inner = inner
+        self.delay_seconds = delay_seconds
+        self.scheme, self.needs_hidden = inner.scheme, inner.needs_hidden
+
+    def start(self, seq_id, prompt_ids, prompt_hidden, first_token) -> None:
+        self.inner.start(seq_id, prompt_ids, prompt_hidden, first_token)
+
+    def propose(self, seq_ids: list[int]) -> list[TokenTree]:
+        time.sleep(self.delay_seconds)
+        return self.inner.propose(seq_ids)
+
+    def on_verified(self, steps: list[VerifiedStep]) -> None:
+        self.inner.on_verified(steps)
+
+    def release(self, seq_id: int) -> None:
+        self.inner.release(seq_id)
+
+
+def slow_ngram(model: Transformer, budget: DraftBudget) -> SlowDrafter:
+    """An n-gram drafter whose proposals take ``$LYANNA_TEST_PROPOSE_DELAY`` seconds."""
+    return SlowDrafter(NgramDrafter(budget), float(os.environ["LYANNA_TEST_PROPOSE_DELAY"]))

@@ -1,0 +1,50 @@
+"""Fault handling with real processes: a drafter slower than the draft deadline leaves every
+step target-only with exactly the plain greedy output, and SIGTERM lets an in-flight call
+finish while refusing new ones, then the service exits cleanly."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import grpc
+import pytest
+
+from gateway.remote import RemoteConfig
+from lyanna.sampling import SamplingParams
+from services.launch import launch
+from services.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
+from tests.services.remote_client import PROMPTS, plain_greedy, run_remote
+
+SLOW = ("--factory", "tests.services.tiny_drafters:slow_ngram")
+
+
+def test_drafter_past_its_deadline_falls_back(tiny_model_dir, tiny_loaded) -> None:
+    env = {"LYANNA_TEST_PROPOSE_DELAY": "0.3"}
+    with launch(tiny_model_dir, "ngram", drafter_args=SLOW, env=env) as deployment:
+        config = RemoteConfig(deployment.verifier_addr, deployment.drafter_addr, draft_deadline=0.1)
+        outcomes, backend = run_remote(config, PROMPTS[:2], SamplingParams(max_tokens=12))
+    assert [o.tokens for o in outcomes] == plain_greedy(tiny_loaded, PROMPTS[:2], 12)
+    steps = [s for o in outcomes for s in o.steps]
+    assert steps and all(s.drafter_fallback and s.num_drafted == 0 for s in steps)
+    assert backend.num_fallback_steps == len(steps)
+
+
+def test_sigterm_drains_in_flight_calls(tiny_model_dir) -> None:
+    env = {"LYANNA_TEST_PROPOSE_DELAY": "1.5"}
+    with launch(tiny_model_dir, "ngram", drafter_args=SLOW, env=env) as deployment:
+        stub = drafter_pb2_grpc.DrafterStub(grpc.insecure_channel(deployment.drafter_addr))
+        ref = common_pb2.SeqRef(seq_id=1, num_committed=3)
+        start = drafter_pb2.StartItem(ref=ref, prompt_ids=[1, 2, 1], first_token=2)
+        stub.Start(drafter_pb2.StartRequest(items=[start]), timeout=10)
+        request = drafter_pb2.ProposeRequest(items=[drafter_pb2.ProposeItem(ref=ref)])
+        in_flight = stub.Propose.future(request, timeout=20)
+        time.sleep(0.5)
+        process = deployment.children["drafter"].process
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.8)  # the handler polls every 0.5 s
+        with pytest.raises(grpc.RpcError):
+            stub.Info(drafter_pb2.InfoRequest(), timeout=2)
+        answer = in_flight.result()
+        assert list(answer.proposals[0].tree.tokens)[0] == 2
+        assert process.wait(15) == 0
