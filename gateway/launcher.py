@@ -4,8 +4,9 @@ SIGTERM, printing the URL and an example ``curl`` once the backend is ready.
 - ``embedded``: drafter and verifier in the gateway process (``EmbeddedBackend``).
 - ``services``: the verifier and drafter gRPC services as local subprocesses
   (``services.launch``) and the gateway in this process with ``RemoteBackend`` (asynchronous
-  pipeline). When the drafter cannot start with the requested method (a missing checkpoint),
-  the next method of ``FALLBACK_METHODS`` is tried and the fallback is logged.
+  pipeline); with ``--verifier-addr`` (and ``--drafter-addr``) it connects to services that
+  already run (a cluster) and starts nothing. When a local drafter cannot start with the
+  requested method (a missing checkpoint), the next of ``FALLBACK_METHODS`` is tried (logged).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -74,7 +76,6 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _serve_services(args: argparse.Namespace, config: GatewayConfig) -> int:
-    from gateway.remote import RemoteBackend, RemoteConfig
     from lyanna.model import fetch_default_model
     from lyanna.tokenizer import load_tokenizer
     from services.launch import LaunchError, launch
@@ -82,6 +83,9 @@ def _serve_services(args: argparse.Namespace, config: GatewayConfig) -> int:
     model_path = Path(args.model) if args.model else fetch_default_model()
     tokenizer = load_tokenizer(model_path)
     eos = frozenset({tokenizer.eos_token_id, _config_eos(model_path)} - {None})
+    if args.verifier_addr:  # the services run elsewhere (deploy/k8s): connect, start nothing
+        _serve_remote(args, config, tokenizer, eos, args.verifier_addr, args.drafter_addr)
+        return 0
     verifier_args = ("--max-seqs", str(args.max_batch), "--max-len", str(args.max_len))
     for method in dict.fromkeys((args.method, *FALLBACK_METHODS)):
         try:
@@ -95,26 +99,38 @@ def _serve_services(args: argparse.Namespace, config: GatewayConfig) -> int:
     else:
         raise RuntimeError("no method could start the drafter service")
     with deployment:
-        remote = RemoteConfig(
-            verifier_addr=deployment.verifier_addr,
-            drafter_addr=deployment.drafter_addr,
-            method=method,
-            pipeline=args.pipeline,
-            max_running=args.max_batch,
-            max_waiting=args.max_waiting,
-        )
-        backend = RemoteBackend(remote, eos, make_detokenize(tokenizer))
-
-        def ready() -> None:
-            print(banner(config, backend.default_method), flush=True)
-            print(
-                f"verifier {deployment.verifier_addr}, drafter {deployment.drafter_addr} "
-                f"(logs in {deployment.log_dir})",
-                flush=True,
-            )
-
-        serve(create_app(backend, tokenizer, config, ready), config, args.log_level)
+        logger.info("service logs in %s", deployment.log_dir)
+        addrs = (deployment.verifier_addr, deployment.drafter_addr)
+        _serve_remote(args, config, tokenizer, eos, *addrs, method=method)
     return 0
+
+
+def _serve_remote(
+    args: argparse.Namespace,
+    config: GatewayConfig,
+    tokenizer: Any,
+    eos: frozenset[int],
+    verifier_addr: str,
+    drafter_addr: str | None,
+    method: str | None = None,
+) -> None:
+    from gateway.remote import RemoteBackend, RemoteConfig
+
+    remote = RemoteConfig(
+        verifier_addr=verifier_addr,
+        drafter_addr=drafter_addr,
+        method=method or args.method,
+        pipeline=args.pipeline,
+        max_running=args.max_batch,
+        max_waiting=args.max_waiting,
+    )
+    backend = RemoteBackend(remote, eos, make_detokenize(tokenizer))
+
+    def ready() -> None:
+        print(banner(config, backend.default_method), flush=True)
+        print(f"verifier {verifier_addr}, drafter {drafter_addr or 'none'}", flush=True)
+
+    serve(create_app(backend, tokenizer, config, ready), config, args.log_level)
 
 
 def _config_eos(model_path: Path) -> int | None:

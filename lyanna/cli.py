@@ -4,6 +4,7 @@ OpenAI-compatible API (``serve``) and chat with it from a terminal (``chat``).""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -84,6 +85,16 @@ def _add_serve(sub) -> None:
     serve.add_argument("--max-batch", type=int, default=8, help="running sequences per engine")
     serve.add_argument("--max-len", type=int, default=2048, help="KV rows per sequence")
     serve.add_argument("--max-waiting", type=int, default=64, help="queue bound (then 429)")
+    serve.add_argument(
+        "--verifier-addr",
+        default=os.environ.get("LYANNA_VERIFIER_ADDR"),
+        help="services mode: use this running verifier (host:port) instead of starting one",
+    )
+    serve.add_argument(
+        "--drafter-addr",
+        default=os.environ.get("LYANNA_DRAFTER_ADDR"),
+        help="services mode: the running drafter (host:port) next to --verifier-addr",
+    )
     serve.add_argument(
         "--pipeline",
         action=argparse.BooleanOptionalAction,

@@ -4,7 +4,9 @@ embedded backend, and the official ``openai`` client pointed at it."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
@@ -14,9 +16,11 @@ from gateway.embedded import EmbeddedConfig
 from gateway.server import LoadedModel, ThreadedServer, embedded_app, eos_ids
 from gateway.text import make_detokenize
 from lyanna.decode import generate
+from lyanna.model.loader import export_hf_dir
 from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence
 from tests.conftest import make_tiny_model
+from tests.unit.test_loader import hf_state_of
 
 TINY_VOCAB = 49152
 MODEL_NAME = "tiny"
@@ -30,6 +34,19 @@ def chat_model():
 @pytest.fixture(scope="session")
 def loaded(chat_model, default_tokenizer) -> LoadedModel:
     return LoadedModel(chat_model, default_tokenizer, eos_ids(default_tokenizer, chat_model))
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_dir(tmp_path_factory, chat_model, default_model_dir) -> Path:
+    out = tmp_path_factory.mktemp("models") / "tiny-chat"
+    export_hf_dir(chat_model.config, hf_state_of(chat_model), out)
+    for name in TOKENIZER_FILES:
+        if (Path(default_model_dir) / name).exists():
+            shutil.copy(Path(default_model_dir) / name, out / name)
+    return out
 
 
 def start_gateway(

@@ -5,34 +5,16 @@ drafter gRPC services, three processes in all."""
 
 from __future__ import annotations
 
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from gateway.chat import ChatOptions, run_chat
 from gateway.server import free_port
-from lyanna.model.loader import export_hf_dir
-from tests.gateway.conftest import TINY_VOCAB
-from tests.unit.test_loader import hf_state_of
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-
-
-@pytest.fixture(scope="module")
-def tiny_chat_dir(tmp_path_factory, chat_model, default_model_dir) -> Path:
-    out = tmp_path_factory.mktemp("models") / "tiny-chat"
-    export_hf_dir(chat_model.config, hf_state_of(chat_model), out)
-    for name in TOKENIZER_FILES:
-        if (Path(default_model_dir) / name).exists():
-            shutil.copy(Path(default_model_dir) / name, out / name)
-    assert chat_model.config.vocab_size == TINY_VOCAB
-    return out
 
 
 def read_banner(process: subprocess.Popen, timeout: float = 120.0) -> list[str]:
