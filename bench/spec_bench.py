@@ -122,6 +122,14 @@ class BenchSetup:
         return sum(len(p) for p in self.prompts.values())
 
 
+@dataclass(slots=True)
+class ArReference:
+    """AR's outputs and tallies per category: what speedups and mismatches compare against."""
+
+    outputs: dict[str, list[list[int]]] = field(default_factory=dict)
+    tallies: dict[str, Tally] = field(default_factory=dict)
+
+
 def run_methods(
     setup: BenchSetup,
     methods: list[str],
@@ -130,19 +138,24 @@ def run_methods(
     budget: DraftBudget,
     log: bool = True,
     factories: Mapping[str, Callable[[], Drafter]] | None = None,
+    reference: ArReference | None = None,
 ) -> dict[str, dict]:
-    """Every method over every prompt (AR first: speedups and mismatches are against it).
-    ``factories`` builds drafters the registry does not name (e.g. ablation checkpoints)."""
+    """Every method over every prompt. AR runs first (speedups and mismatches are against
+    it) unless a filled ``reference`` from an earlier run with the same batch size is given;
+    an empty ``reference`` is filled. ``factories`` builds drafters the registry does not
+    name (e.g. ablation checkpoints)."""
     factories = factories or {}
-    methods = ["ar"] + [m for m in dict.fromkeys(methods) if m != "ar"]
+    reference = reference if reference is not None else ArReference()
+    methods = [m for m in dict.fromkeys(methods) if m != "ar"]
+    if not reference.tallies:
+        methods = ["ar", *methods]
+    ar_outputs, ar_tallies = reference.outputs, reference.tallies
     longest = max(len(p) for ps in setup.prompts.values() for p in ps)
     config = EngineConfig(
         max_batch=batch_size, max_len=longest + params.max_tokens + 2 * budget.max_tokens + 64
     )
     warmup_prompt = next(iter(setup.prompts.values()))[0]
     results: dict[str, dict] = {}
-    ar_outputs: dict[str, list[list[int]]] = {}
-    ar_tallies: dict[str, Tally] = {}
     for method in methods:
         if method in factories:
             drafter = factories[method]()

@@ -168,3 +168,36 @@ def test_draft_loss_decreases_with_training() -> None:
         first = first if first is not None else float(loss.detach())
     assert float(loss.detach()) < 0.7 * first
     assert {"top1_1", "top3_3", "mse2"} <= set(metrics)
+
+
+@pytest.mark.parametrize("flag", ["token_info", "fuse_first_token"])
+def test_ablation_flags_reach_the_model_and_remove_the_input(flag: str) -> None:
+    """`--token-info false` / `--fuse-first-token false` train models whose loss does not
+    depend on the parent token's info / on the bonus token at step 1."""
+    from training.config import parse_overrides
+    from training.losses import FrozenTarget
+    from training.lyanna import LyannaTrainModel
+
+    target = make_tiny_model(5, vocab_size=VOCAB)
+    config = parse_overrides([f"--{flag.replace('_', '-')}", "false", "--hot-vocab-size", "8"])
+    frozen = FrozenTarget.from_embedding(target.embed_tokens.weight, torch.arange(8))
+    draft = LyannaTrainModel.build(frozen, target.config, config).draft
+    attribute = {"token_info": "use_token_info", "fuse_first_token": "fuse_first_token"}[flag]
+    assert getattr(draft.config, attribute) is False
+    torch.manual_seed(0)
+    hidden = torch.randn(1, 10, target.config.hidden_size)
+    tokens = torch.randint(0, 8, (1, 10))
+    other = tokens.clone()
+    other[0, 1:] = (tokens[0, 1:] + 1) % 8  # every token as input changes
+    mask = torch.ones(1, 10, dtype=torch.bool)
+    with torch.no_grad():
+        draft.w2.normal_()
+        outputs = draft.unrolled(hidden, tokens, 1)[0], draft.unrolled(hidden, other, 1)[0]
+        bias = draft.token_info(tokens), draft.token_info(other)
+    if flag == "fuse_first_token":
+        torch.testing.assert_close(*outputs)  # the chain never sees a token
+        assert not torch.allclose(*bias)
+    else:
+        assert not torch.allclose(*outputs)
+        assert float(bias[0].abs().max()) == 0.0 and float(bias[1].abs().max()) == 0.0
+    assert draft_loss(draft, hidden, tokens, mask)[0].isfinite()
