@@ -1,9 +1,12 @@
 """A real Prometheus server scrapes the gateway and answers a PromQL query for
-``lyanna_spec_accepted_tokens_total``. Needs the ``prometheus`` binary (Debian's package;
-``.ci/run`` installs it): missing, the test fails, unless LYANNA_ALLOW_NO_PROMETHEUS=1."""
+``lyanna_spec_accepted_tokens_total``; every query of the Grafana dashboard parses and, after
+a request, the acceptance-length and tokens/s panels have data. Needs the ``prometheus``
+binary (Debian's package; ``.ci/run`` installs it): missing, the test fails, unless
+LYANNA_ALLOW_NO_PROMETHEUS=1."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -14,6 +17,7 @@ import pytest
 
 from gateway.server import free_port
 from tests.gateway.conftest import MODEL_NAME
+from tests.gateway.test_deploy import DEPLOY
 
 pytestmark = pytest.mark.slow
 
@@ -91,6 +95,9 @@ def test_prometheus_scrapes_spec_metrics(gateway, tmp_path) -> None:
             float(series[0]["value"][1])
             >= response.json()["usage"]["lyanna"]["num_accepted_tokens"]
         )
+        # a second request between scrapes gives rate() two distinct samples to work with
+        httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=60)
+        check_dashboard_queries(base)
     finally:
         process.terminate()
         process.wait(timeout=30)
@@ -101,3 +108,25 @@ def _ready(base: str) -> bool:
         return httpx.get(f"{base}/-/ready", timeout=2).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def check_dashboard_queries(base: str) -> None:
+    dashboard = json.loads((DEPLOY / "grafana" / "lyanna.json").read_text())
+    substitutions = {"$__rate_interval": "1m", "$model": ".*", "$method": ".*", "$service": ".*"}
+    exprs: dict[str, str] = {}
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            expr = target["expr"]
+            for variable, value in substitutions.items():
+                expr = expr.replace(variable, value)
+            response = httpx.get(f"{base}/api/v1/query", params={"query": expr}, timeout=5)
+            assert response.status_code == 200, (panel["title"], response.text)
+            exprs.setdefault(panel["title"], expr)
+
+    def value_of(title: str) -> float | None:
+        result = query(base, exprs[title])
+        value = float(result[0]["value"][1]) if result else float("nan")
+        return value if value == value and value > 0 else None  # NaN until rate() has data
+
+    assert poll(lambda: value_of("Acceptance length")) > 1.0  # n-gram accepted tokens
+    assert poll(lambda: value_of("Output tokens/s")) > 0
