@@ -127,6 +127,9 @@ def create_app(
         except ValueError as err:
             tracker.finish("error")
             raise invalid(str(err)) from err
+        except ClientGone:
+            tracker.finish("abort")
+            raise
         except BaseException:
             tracker.finish("error")
             raise
@@ -192,7 +195,9 @@ def create_app(
                 yield chunk(None, None, usage_of(generation))
             yield SSE_DONE
 
-        return await respond(request, prepared, body.stream, body.include_usage, whole, chunks)
+        return await respond(
+            request, prepared, bool(body.stream), body.include_usage, whole, chunks
+        )
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -219,7 +224,9 @@ def create_app(
                 yield sse(final)
             yield SSE_DONE
 
-        return await respond(request, prepared, body.stream, body.include_usage, whole, chunks)
+        return await respond(
+            request, prepared, bool(body.stream), body.include_usage, whole, chunks
+        )
 
     @app.get("/v1/models")
     async def list_models() -> dict:

@@ -58,7 +58,7 @@ class RequestBuilder:
             raise APIError(
                 404, f"The model `{body.model}` does not exist.", "model", "model_not_found"
             )
-        if body.n != 1:
+        if body.n not in (None, 1):
             raise invalid("only n=1 is supported", "n")
         if body.logprobs:
             raise invalid("logprobs are not supported", "logprobs")
@@ -113,8 +113,8 @@ class RequestBuilder:
             max_tokens = requested
         try:
             params = SamplingParams(
-                temperature=body.temperature,
-                top_p=body.top_p,
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
                 max_tokens=max_tokens,
                 seed=body.seed,
                 stop=body.stop_strings(),

@@ -46,13 +46,14 @@ class StreamOptions(_Body):
 class _Generation(_Body):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    # null is accepted wherever OpenAI accepts it and means the default
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)  # None = 1.0
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)  # None = 1.0
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1)
+    n: int | None = Field(default=None, ge=1)  # None = 1
     logprobs: bool | int | None = None
     user: str | None = None
     lyanna_method: str | None = None
@@ -78,7 +79,7 @@ class ChatCompletionRequest(_Generation):
 class CompletionRequest(_Generation):
     prompt: str | list[int]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
-    echo: bool = False
+    echo: bool | None = False
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

@@ -161,3 +161,20 @@ def test_eight_concurrent_streams_complete_correctly(gateway, loaded) -> None:
 
     answers = asyncio.run(all_of_them())
     assert answers == [greedy_text(loaded, chat_ids(loaded, p), 24) for p in prompts]
+
+
+def test_null_means_default(gateway) -> None:
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "temperature": None,
+        "top_p": None,
+        "n": None,
+        "stream": None,
+        "seed": None,
+        "stop": None,
+    }
+    response = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] <= 4
