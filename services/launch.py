@@ -30,11 +30,15 @@ API::
     ) -> Deployment
 
 Services bind port 0 and report the bound port through ``--port-file``, so there is no race
-for free ports; the gateway port is picked free just before the gateway starts.
+for free ports; the gateway port is picked free just before the gateway starts. On Linux every
+child gets SIGTERM when the thread that started it exits (``PR_SET_PDEATHSIG``), so a crashed
+launcher leaves no orphaned services behind: call ``launch``/``restart`` from a long-lived
+thread (the main thread, typically).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -137,14 +141,30 @@ def _log_tail(path: Path, lines: int = 30) -> str:
         return "(no log)"
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the launching thread dies (Linux only)."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def _spawn(argv: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+
+
 def _start_service(child: _Child, env: dict[str, str], fixed_port: int = 0) -> None:
     port_file = child.log_path.with_suffix(".port")
     port_file.unlink(missing_ok=True)
     argv = [*child.argv, "--port", str(fixed_port), "--port-file", str(port_file)]
-    with child.log_path.open("ab") as log:
-        child.process = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+    child.process = _spawn(argv, child.log_path, env)
 
 
 def _wait_service(child: _Child, timeout: float) -> None:
@@ -248,10 +268,7 @@ def _start_gateway(deployment: Deployment, command: list[str], method: str) -> N
         "LYANNA_GATEWAY_PORT": str(port),
     }
     child = _Child("gateway", argv, deployment.log_dir / "gateway.log", port=port)
-    with child.log_path.open("ab") as log:
-        child.process = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+    child.process = _spawn(argv, child.log_path, env)
     deployment.children["gateway"] = child
     deployment.gateway_port = port
     _wait_http(f"http://127.0.0.1:{port}/health", child, deployment.startup_timeout)

@@ -1,11 +1,16 @@
 """Fault handling with real processes: a drafter slower than the draft deadline leaves every
 step target-only with exactly the plain greedy output, and SIGTERM lets an in-flight call
-finish while refusing new ones, then the service exits cleanly."""
+finish while refusing new ones, then the service exits cleanly; services started by a launcher
+that crashes exit with it."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -48,3 +53,35 @@ def test_sigterm_drains_in_flight_calls(tiny_model_dir) -> None:
         answer = in_flight.result()
         assert list(answer.proposals[0].tree.tokens)[0] == 2
         assert process.wait(15) == 0
+
+
+def test_services_die_with_a_crashed_launcher(tiny_model_dir, tmp_path) -> None:
+    script = (
+        "import os, sys\n"
+        "from services.launch import launch\n"
+        "d = launch(sys.argv[1], 'ngram', log_dir=sys.argv[2])\n"
+        "print(d.pid('verifier'), d.pid('drafter'), flush=True)\n"
+        "os._exit(1)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tiny_model_dir), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 2, done.stderr
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/stat")
+    return status.is_file() and status.read_text().split()[2] != "Z"  # zombies are gone
