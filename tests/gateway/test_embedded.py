@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from gateway.backend import BackendUnavailable, GenerationRequest
+from gateway.backend import BackendBusy, BackendUnavailable, GenerationRequest
 from gateway.embedded import EmbeddedBackend, EmbeddedConfig
 from lyanna.sampling import SamplingParams
 from tests.gateway.conftest import MODEL_NAME, start_gateway
@@ -97,3 +97,26 @@ def test_client_disconnect_cancels_the_stream(loaded) -> None:
         assert running and running[0].endswith(" 0.0")
     finally:
         server.stop()
+
+
+def test_full_waiting_queue_is_busy(loaded) -> None:
+    config = EmbeddedConfig(default_method="ar", max_len=512, max_batch=1, max_waiting=1)
+    backend = EmbeddedBackend(loaded.model, loaded.eos_token_ids, config)
+
+    async def scenario() -> None:
+        await backend.start()
+        try:
+            running = backend.generate(request(300))
+            await anext(running)  # admitted: holds the only slot
+            waiting = backend.generate(request(2))
+            blocked = asyncio.ensure_future(anext(waiting))
+            await asyncio.sleep(0.05)  # queued behind the running request
+            with pytest.raises(BackendBusy):
+                await anext(backend.generate(request(2)))
+            await running.aclose()  # frees the slot: the waiting request proceeds
+            assert (await blocked).prompt_tokens == 4
+            await waiting.aclose()
+        finally:
+            await backend.stop()
+
+    asyncio.run(scenario())
