@@ -129,8 +129,10 @@ class EmbeddedBackend:
     async def health(self) -> dict[str, str]:
         alive = self._thread is not None and self._thread.is_alive() and not self._stopping
         status = {"engine": "ok" if alive else (self._crash or "not running")}
-        status.update({f"method:{m}": "ok" for m in self._engines})
-        status.update({f"method:{m}": f"degraded: {why}" for m, why in self._broken.items()})
+        # copies first: the worker thread may add an engine meanwhile
+        status.update({f"method:{m}": "ok" for m in list(self._engines)})
+        broken = list(self._broken.items())
+        status.update({f"method:{m}": f"degraded: {why}" for m, why in broken})
         return status
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
@@ -139,6 +141,9 @@ class EmbeddedBackend:
         method = request.method or self.default_method
         if method not in self.methods:
             raise ValueError(f"unknown method {method!r}; known: {list(self.methods)}")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= token < vocab for token in request.prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if self._num_waiting >= self.config.max_waiting:
             raise BackendBusy(f"{self._num_waiting} requests are already waiting")
         sequence = Sequence(
