@@ -44,6 +44,7 @@ from gateway.backend import (
     StepFacts,
     TokenDelta,
 )
+from gateway.remote_config import RemoteConfig
 from gateway.remote_drafter import DrafterLink
 from gateway.remote_seq import RemoteSeq, root_only_tree
 from lyanna.sequence import Sequence
@@ -54,42 +55,7 @@ logger = logging.getLogger(__name__)
 
 TARGET_ONLY = "ar"
 
-
-@dataclass(frozen=True, slots=True)
-class RemoteConfig:
-    verifier_addr: str
-    drafter_addr: str | None = None  # None: target-only decoding
-    method: str = "lyanna"  # the drafter service's method (its Info wins when reachable)
-    pipeline: bool = True  # two micro-batches in flight; False = draft, then verify
-    max_running: int = 8
-    max_waiting: int = 64
-    prefill_deadline: float = 120.0  # seconds, per call
-    verify_deadline: float = 60.0
-    draft_deadline: float = 10.0  # past it the step runs target-only
-    control_deadline: float = 10.0  # Start, Release, Capacity, Info
-    drafter_retry_seconds: float = 1.0
-    use_data_plane: bool = False  # hidden states verifier -> drafter over torch.distributed
-    max_message_mb: int = 64
-    drain_seconds: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.max_running < 1 or self.max_waiting < 1 or self.max_message_mb < 1:
-            raise ValueError("max_running, max_waiting and max_message_mb must be >= 1")
-        deadlines = (self.prefill_deadline, self.verify_deadline, self.draft_deadline)
-        if min(*deadlines, self.control_deadline) <= 0 or self.drafter_retry_seconds < 0:
-            raise ValueError("deadlines must be > 0 and drafter_retry_seconds >= 0")
-        if self.use_data_plane and self.drafter_addr is None:
-            raise ValueError("the data plane needs a drafter")
-
-    def channel_options(self) -> list[tuple[str, int]]:
-        size = self.max_message_mb * 1024 * 1024
-        return [
-            ("grpc.max_send_message_length", size),
-            ("grpc.max_receive_message_length", size),
-            ("grpc.initial_reconnect_backoff_ms", 200),
-            ("grpc.min_reconnect_backoff_ms", 200),
-            ("grpc.max_reconnect_backoff_ms", 2000),
-        ]
+__all__ = ["RemoteBackend", "RemoteConfig"]
 
 
 @dataclass(slots=True, eq=False)
@@ -135,15 +101,7 @@ class RemoteBackend:
         if self.config.drafter_addr:
             channel = grpc.aio.insecure_channel(self.config.drafter_addr, options=options)
             self._channels.append(channel)
-            config = self.config
-            self.drafter = DrafterLink(
-                drafter_pb2_grpc.DrafterStub(channel),
-                config.method,
-                config.draft_deadline,
-                config.control_deadline,
-                config.drafter_retry_seconds,
-                config.use_data_plane,
-            )
+            self.drafter = DrafterLink(drafter_pb2_grpc.DrafterStub(channel), self.config)
         try:
             capacity = await self._verifier.Capacity(
                 verifier_pb2.CapacityRequest(), timeout=self.config.control_deadline

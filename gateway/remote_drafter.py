@@ -16,6 +16,7 @@ import time
 
 import grpc
 
+from gateway.remote_config import RemoteConfig
 from gateway.remote_seq import RemoteSeq
 from services.pb import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2
 
@@ -26,20 +27,12 @@ REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class DrafterLink:
-    def __init__(
-        self,
-        stub: drafter_pb2_grpc.DrafterStub,
-        method: str,
-        draft_deadline: float,
-        control_deadline: float,
-        retry_seconds: float,
-        use_data_plane: bool,
-    ) -> None:
+    def __init__(self, stub: drafter_pb2_grpc.DrafterStub, config: RemoteConfig) -> None:
         self.stub = stub
-        self.method = method
-        self.draft_deadline, self.control_deadline = draft_deadline, control_deadline
-        self.retry_seconds = retry_seconds
-        self.plane_ok = use_data_plane  # off for good once the drafter has failed
+        self.method = config.method
+        self.draft_deadline, self.control_deadline = config.draft_deadline, config.control_deadline
+        self.retry_seconds = config.drafter_retry_seconds
+        self.plane_ok = config.use_data_plane  # off for good once the drafter has failed
         self.needs_hidden = True  # until the drafter says otherwise
         self.budget = 0  # max draft tokens (the budget of verifier-side fusion)
         self.num_plane_transfers = 0  # verified steps whose hidden rows used the data plane

@@ -12,6 +12,7 @@ import pytest
 import torch
 from grpc.aio import AioRpcError, Metadata
 
+from gateway.remote_config import RemoteConfig
 from gateway.remote_drafter import DrafterLink
 from gateway.remote_seq import RemoteSeq
 from lyanna.sampling import SamplingParams
@@ -79,7 +80,8 @@ def verified(seq: RemoteSeq, link: DrafterLink, tokens: list[int]) -> None:
 @pytest.fixture()
 def link_and_stub():
     stub = ScriptedStub()
-    link = DrafterLink(stub, "lyanna", 1.0, 1.0, retry_seconds=0.05, use_data_plane=False)
+    config = RemoteConfig("unused:1", "unused:2", draft_deadline=1.0, drafter_retry_seconds=0.05)
+    link = DrafterLink(stub, config)
     return link, stub
 
 
