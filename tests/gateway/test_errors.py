@@ -191,3 +191,10 @@ def test_busy_is_429_and_down_is_503(default_tokenizer, error, status, client_er
         assert health.status_code == 503 and health.json()["status"] == "unavailable"
     finally:
         server.stop()
+
+
+def test_completion_token_ids_out_of_vocabulary_are_400(http) -> None:
+    body = {"model": MODEL_NAME, "prompt": [1, 2, 10**7], "max_tokens": 2}
+    assert_error(http.post("/v1/completions", json=body), 400, "prompt")
+    body["prompt"] = []
+    assert_error(http.post("/v1/completions", json=body), 400, "prompt")
