@@ -20,6 +20,7 @@ from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from gateway.backend import GenerationBackend, TokenDelta
 from gateway.config import GatewayConfig
@@ -163,6 +164,7 @@ def create_app(
                     chunks(generation, include_usage),
                     media_type="text/event-stream",
                     headers={**headers(prepared), "Cache-Control": "no-cache"},
+                    background=BackgroundTask(generation.close),
                 )
             text = await unless_disconnected(request, generation.collect())
         except ClientGone:

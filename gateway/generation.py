@@ -57,6 +57,13 @@ class Generation:
                 await self._deltas.aclose()
             self.tracker.finish(self.finish_reason or "abort")
 
+    async def close(self) -> None:
+        """Release the request if ``texts`` never ran to its end (a stream cancelled before
+        its first chunk); idempotent."""
+        with anyio.CancelScope(shield=True):
+            await self._deltas.aclose()
+        self.tracker.finish(self.finish_reason or "abort")
+
     async def collect(self) -> str:
         return "".join([piece async for piece in self.texts()])
 
