@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from fastapi import FastAPI
@@ -57,8 +59,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.model:
         overrides["model_name"] = Path(args.model).stem
     config = GatewayConfig.from_env(**overrides)
-    if config.mode == "services":
-        return _serve_services(args, config)
+    SERVE_MODES[config.mode](args, config)
+    return 0
+
+
+def _serve_embedded(args: argparse.Namespace, config: GatewayConfig) -> None:
     embedded = EmbeddedConfig(
         default_method=args.method,
         max_batch=args.max_batch,
@@ -72,10 +77,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     holder["app"] = embedded_app(load(args.model), config, embedded, ready)
     serve(holder["app"], config, args.log_level)
-    return 0
 
 
-def _serve_services(args: argparse.Namespace, config: GatewayConfig) -> int:
+def _serve_services(args: argparse.Namespace, config: GatewayConfig) -> None:
     from lyanna.model import fetch_default_model
     from lyanna.tokenizer import load_tokenizer
     from services.launch import LaunchError, launch
@@ -85,7 +89,7 @@ def _serve_services(args: argparse.Namespace, config: GatewayConfig) -> int:
     eos = frozenset({tokenizer.eos_token_id, _config_eos(model_path)} - {None})
     if args.verifier_addr:  # the services run elsewhere (deploy/k8s): connect, start nothing
         _serve_remote(args, config, tokenizer, eos, args.verifier_addr, args.drafter_addr)
-        return 0
+        return
     verifier_args = ("--max-seqs", str(args.max_batch), "--max-len", str(args.max_len))
     for method in dict.fromkeys((args.method, *FALLBACK_METHODS)):
         try:
@@ -102,7 +106,6 @@ def _serve_services(args: argparse.Namespace, config: GatewayConfig) -> int:
         logger.info("service logs in %s", deployment.log_dir)
         addrs = (deployment.verifier_addr, deployment.drafter_addr)
         _serve_remote(args, config, tokenizer, eos, *addrs, method=method)
-    return 0
 
 
 def _serve_remote(
@@ -131,6 +134,11 @@ def _serve_remote(
         print(f"verifier {verifier_addr}, drafter {drafter_addr or 'none'}", flush=True)
 
     serve(create_app(backend, tokenizer, config, ready), config, args.log_level)
+
+
+SERVE_MODES: Mapping[str, Callable[[argparse.Namespace, GatewayConfig], None]] = MappingProxyType(
+    {"embedded": _serve_embedded, "services": _serve_services}
+)
 
 
 def _config_eos(model_path: Path) -> int | None:
