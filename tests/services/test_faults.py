@@ -21,7 +21,7 @@ from services.launch import launch
 from services.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
 from tests.services.remote_client import PROMPTS, plain_greedy, run_remote
 
-SLOW = ("--factory", "tests.services.tiny_drafters:slow_ngram")
+SLOW = ("--factory", "tests.services.tiny_drafters:slow_ngram", "--grace-seconds", "3")
 
 
 def test_drafter_past_its_deadline_falls_back(tiny_model_dir, tiny_loaded) -> None:
