@@ -13,9 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
-
-from bench.common import print_table
+from bench.common import add_run_args, print_table, set_threads
 from bench.spec_bench import BenchSetup, run_methods
 from lyanna.drafters import DraftBudget
 from lyanna.sampling import SamplingParams
@@ -61,17 +59,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", default="ngram,sps,eagle,lyanna")
     parser.add_argument("--batch-sizes", default="1,2,4,8,16")
-    parser.add_argument("--limit-per-category", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--depth", type=int, default=5)
-    parser.add_argument("--top-k", type=int, default=4)
-    parser.add_argument("--budget", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=0)
+    add_run_args(parser, per_category=2, max_tokens=64)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--png", type=Path, default=Path("docs/img/batch_sweep.png"))
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     setup = BenchSetup.load(per_category=args.limit_per_category)
     budget = DraftBudget(args.depth, args.top_k, args.budget)
     params = SamplingParams(max_tokens=args.max_tokens)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -42,3 +43,20 @@ def print_table(headers: list[str], rows: list[list[object]]) -> None:
     print("|" + "|".join("---" for _ in headers) + "|")
     for row in rows:
         print("| " + " | ".join(f"{c:.2f}" if isinstance(c, float) else str(c) for c in row) + " |")
+
+
+def add_run_args(parser: argparse.ArgumentParser, per_category: int, max_tokens: int) -> None:
+    """The flags every Spec-Bench-driven script shares: prompts, tree budget, threads."""
+    parser.add_argument("--limit-per-category", type=int, default=per_category)
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--depth", type=int, default=5)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--budget", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+
+
+def set_threads(threads: int) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)

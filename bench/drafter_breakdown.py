@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import argparse
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.common import print_table
+from bench.common import add_run_args, print_table, set_threads
 from bench.spec_bench import BenchSetup
 from lyanna.drafters import DraftBudget, make_drafter
 from lyanna.drafters.scopes import LAYER_SCOPE, LM_HEAD_SCOPE, SOFTMAX_SCOPE
@@ -42,15 +41,9 @@ def run(setup: BenchSetup, method: str, budget: DraftBudget, params: SamplingPar
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", default="eagle,lyanna")
-    parser.add_argument("--limit-per-category", type=int, default=1)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--depth", type=int, default=5)
-    parser.add_argument("--top-k", type=int, default=4)
-    parser.add_argument("--budget", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=0)
+    add_run_args(parser, per_category=1, max_tokens=64)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     setup = BenchSetup.load(per_category=args.limit_per_category)
     budget = DraftBudget(args.depth, args.top_k, args.budget)
     params = SamplingParams(max_tokens=args.max_tokens)

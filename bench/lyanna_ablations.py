@@ -17,9 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
-
-from bench.common import print_table
+from bench.common import add_run_args, print_table, set_threads
 from bench.spec_bench import BenchSetup, run_methods
 from lyanna.drafters import DraftBudget
 from lyanna.drafters.lyanna import LyannaDrafter
@@ -37,15 +35,9 @@ def held_out_top1(path: Path) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", action="append", required=True, help="name=PATH")
-    parser.add_argument("--limit-per-category", type=int, default=1)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--depth", type=int, default=5)
-    parser.add_argument("--top-k", type=int, default=4)
-    parser.add_argument("--budget", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=0)
+    add_run_args(parser, per_category=1, max_tokens=64)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     checkpoints = dict(item.split("=", 1) for item in args.checkpoint)
     setup = BenchSetup.load(per_category=args.limit_per_category)
     budget = DraftBudget(args.depth, args.top_k, args.budget)

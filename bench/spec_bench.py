@@ -20,9 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-from bench.common import SPEC_BENCH, load_questions, print_table
+from bench.common import SPEC_BENCH, add_run_args, load_questions, print_table, set_threads
 from lyanna.drafters import DRAFTERS, DraftBudget, Drafter, make_drafter
 from lyanna.engine import EngineConfig, SpecEngine
 from lyanna.model import fetch_default_model, load_model
@@ -234,19 +232,13 @@ def main() -> None:
     parser.add_argument("--method", action="append", dest="methods", help="repeatable")
     parser.add_argument("--methods", dest="methods_csv", help="comma list or 'all'")
     parser.add_argument("--questions", type=Path, default=SPEC_BENCH)
-    parser.add_argument("--limit-per-category", type=int, default=4)
+    add_run_args(parser, per_category=4, max_tokens=128)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--depth", type=int, default=5)
-    parser.add_argument("--top-k", type=int, default=4)
-    parser.add_argument("--budget", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
 
     methods = list(args.methods or [])
     if args.methods_csv:

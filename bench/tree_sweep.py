@@ -10,9 +10,7 @@ from __future__ import annotations
 import argparse
 import itertools
 
-import torch
-
-from bench.common import print_table
+from bench.common import print_table, set_threads
 from bench.spec_bench import ArReference, BenchSetup, run_methods
 from lyanna.drafters import DraftBudget
 from lyanna.sampling import SamplingParams
@@ -32,8 +30,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=0)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     setup = BenchSetup.load(per_category=args.limit_per_category)
     params = SamplingParams(max_tokens=args.max_tokens)
     reference = ArReference()

@@ -13,8 +13,8 @@ a child never outranks its parent, so the kept set is a tree). Candidates are a 
 top-k set: ``DraftScheme.TOPK``.
 
 A subclass provides the draft KV cache, the hot vocabulary and its LM head, the rotary tables,
-and ``_node_forward`` (what one tree step computes); its per-sequence states expose ``slot``,
-``root`` and ``root_state``.
+``_catch_up`` (committed tokens into the draft KV) and ``_node_forward`` (what one tree step
+computes); its per-sequence states (``_seqs``) follow ``RootedState``.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ class RootedState(Protocol):
     slot: int  # draft KV slot
     root: int  # the next tree's root token
     root_state: torch.Tensor | None  # [d] the drafter's state at the root
+    pending_tokens: list[int]  # committed tokens (and root) the draft KV has not seen yet
 
 
 @dataclass(slots=True, eq=False)
@@ -78,6 +79,24 @@ class DynamicTreeDrafter:
     lm_head: nn.Module  # [d] -> [num_hot] logits
     rope_cos: torch.Tensor  # [max_positions, hd]
     rope_sin: torch.Tensor
+    _seqs: dict[int, RootedState]
+
+    @torch.inference_mode()
+    def propose(self, seq_ids: list[int]) -> list[TokenTree]:
+        states = [self._seqs[s] for s in seq_ids]
+        behind = [s for s in states if s.pending_tokens]
+        if behind:
+            self._catch_up(behind)
+        return self._grow(states)
+
+    def release(self, seq_id: int) -> None:
+        state = self._seqs.pop(seq_id, None)
+        if state is not None:
+            self.cache.release(state.slot)
+
+    def _catch_up(self, states: list[RootedState]) -> None:
+        """Run the pending tokens into the draft KV; set each sequence's ``root_state``."""
+        raise NotImplementedError
 
     def _node_forward(
         self,

@@ -26,7 +26,6 @@ from lyanna.drafters.scopes import LAYER_SCOPE
 from lyanna.kv_cache import KVCache
 from lyanna.model.cpu_kernels import prepack_linears
 from lyanna.model.transformer import ForwardContext, Transformer
-from lyanna.tree import TokenTree
 
 
 @dataclass(slots=True)
@@ -80,19 +79,6 @@ class EagleDrafter(DynamicTreeDrafter):
             state.pending_hidden.append(step.hidden)
             state.pending_tokens += [*step.committed[1:], step.next_token]
             state.root = step.next_token
-
-    def release(self, seq_id: int) -> None:
-        state = self._seqs.pop(seq_id, None)
-        if state is not None:
-            self.cache.release(state.slot)
-
-    @torch.inference_mode()
-    def propose(self, seq_ids: list[int]) -> list[TokenTree]:
-        states = [self._seqs[s] for s in seq_ids]
-        behind = [s for s in states if s.pending_tokens]
-        if behind:
-            self._catch_up(behind)
-        return self._grow([s for s in states])
 
     # -- draft KV ----------------------------------------------------------------------
 

@@ -30,7 +30,6 @@ from lyanna.drafters.scopes import LAYER_SCOPE
 from lyanna.kv_cache import KVCache
 from lyanna.model.cpu_kernels import prepack_linears
 from lyanna.model.transformer import ForwardContext, Transformer, rope_tables
-from lyanna.tree import TokenTree
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "sps-smollm2-135m"
 
@@ -86,7 +85,7 @@ class _DraftState:
     slot: int
     root: int  # the next tree's root token (not yet in the student's KV)
     root_state: torch.Tensor | None = None  # [d] the student's output at the root
-    pending: list[int] = field(default_factory=list)  # tokens to run before the next tree
+    pending_tokens: list[int] = field(default_factory=list)  # to run before the next tree
 
 
 class SpsDrafter(DynamicTreeDrafter):
@@ -120,46 +119,33 @@ class SpsDrafter(DynamicTreeDrafter):
 
     def start(self, seq_id, prompt_ids, prompt_hidden, first_token) -> None:
         state = _DraftState(slot=self.cache.allocate(), root=first_token)
-        state.pending = [*prompt_ids, first_token]
+        state.pending_tokens = [*prompt_ids, first_token]
         self._seqs[seq_id] = state
 
     def on_verified(self, steps: list[VerifiedStep]) -> None:
         for step in steps:
             state = self._seqs[step.seq_id]
-            state.pending += [*step.committed[1:], step.next_token]
+            state.pending_tokens += [*step.committed[1:], step.next_token]
             state.root = step.next_token
-
-    def release(self, seq_id: int) -> None:
-        state = self._seqs.pop(seq_id, None)
-        if state is not None:
-            self.cache.release(state.slot)
-
-    @torch.inference_mode()
-    def propose(self, seq_ids: list[int]) -> list[TokenTree]:
-        states = [self._seqs[s] for s in seq_ids]
-        behind = [s for s in states if s.pending]
-        if behind:
-            self._catch_up(behind)
-        return self._grow(states)
 
     # -- student forwards --------------------------------------------------------------
 
     def _catch_up(self, states: list[_DraftState]) -> None:
         """Run the pending tokens (ending with the root) causally and commit them."""
-        q = max(len(s.pending) for s in states)
+        q = max(len(s.pending_tokens) for s in states)
         tokens = torch.zeros(len(states), q, dtype=torch.int64)
         for b, s in enumerate(states):
-            tokens[b, : len(s.pending)] = torch.tensor(s.pending)
+            tokens[b, : len(s.pending_tokens)] = torch.tensor(s.pending_tokens)
         slots = torch.tensor([s.slot for s in states])
         positions = self.cache.lengths[slots][:, None] + torch.arange(q)
         ctx = ForwardContext(self.cache, slots, positions, None, self.rope_cos, self.rope_sin)
         with record_function(LAYER_SCOPE):
             out = self._layers(self.student.embed_tokens(tokens), ctx)
         for b, s in enumerate(states):
-            n = len(s.pending)
+            n = len(s.pending_tokens)
             self.cache.commit(s.slot, torch.arange(n))
             s.root_state = out[b, n - 1]
-            s.pending = []
+            s.pending_tokens = []
 
     def _layers(self, x: torch.Tensor, ctx: ForwardContext | TreeContext) -> torch.Tensor:
         for i, layer in enumerate(self.student.layers):

@@ -61,7 +61,7 @@ def test_greedy_equals_plain_decoding(max_batch: int) -> None:
         engine.step()
         for seq_id, slot in engine.slots.items():  # student KV (+ queue) == target KV + root
             state = drafter._seqs[seq_id]
-            num_rows = int(drafter.cache.lengths[state.slot]) + len(state.pending)
+            num_rows = int(drafter.cache.lengths[state.slot]) + len(state.pending_tokens)
             assert num_rows == int(engine.cache.lengths[slot]) + 1
     expected = [Sequence(i, p, SamplingParams(max_tokens=24)) for i, p in enumerate(PROMPTS)]
     generate(model, expected)
