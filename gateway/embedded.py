@@ -18,7 +18,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
 from gateway.backend import (
@@ -104,6 +105,7 @@ class EmbeddedBackend:
         self._engines: dict[str, SpecEngine] = {}
         self._broken: dict[str, str] = {}  # method -> why its engine could not be built
         self._handles: dict[int, _Handle] = {}  # worker thread only
+        self._pending: dict[str, deque[_Handle]] = {}  # accepted, not yet in an engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
         self._num_waiting = 0  # event loop only
@@ -222,14 +224,17 @@ class EmbeddedBackend:
         deadline: float | None = None
         try:
             while True:
-                busy = any(engine.has_work for engine in self._engines.values())
+                busy = any(self._pending.values()) or any(
+                    engine.has_work for engine in self._engines.values()
+                )
                 for command in self._drain_commands(block=not busy and deadline is None):
                     deadline = self._apply(command, deadline)
                 if deadline is not None and (not self._handles or time.monotonic() > deadline):
                     break
                 for method, engine in list(self._engines.items()):
-                    if engine.has_work:
-                        self._step(method, engine)
+                    self._admit(method, engine)
+                    if engine.running and method in self._engines:
+                        self._run(method, engine, engine.step)
         except Exception as err:  # the thread must report its death, not vanish silently
             logger.exception("embedded engine thread crashed")
             self._crash = f"engine thread crashed: {type(err).__name__}: {err}"
@@ -255,7 +260,10 @@ class EmbeddedBackend:
             return command.deadline
         if isinstance(command, _Abort):
             handle = self._handles.pop(command.seq_id, None)
-            if handle is not None and handle.method in self._engines:
+            pending = self._pending.get(handle.method) if handle is not None else None
+            if pending is not None and handle in pending:
+                pending.remove(handle)
+            elif handle is not None and handle.method in self._engines:
                 self._engines[handle.method].abort(command.seq_id)
             return deadline
         handle = command.handle
@@ -264,23 +272,37 @@ class EmbeddedBackend:
             why = self._broken[handle.method]
             self._deliver(handle, BackendUnavailable(f"method {handle.method!r}: {why}"))
             return deadline
-        try:
-            engine.submit(handle.sequence)
-        except ValueError as err:
-            self._deliver(handle, err)
-            return deadline
+        self._pending.setdefault(handle.method, deque()).append(handle)
         self._handles[handle.sequence.seq_id] = handle
         return deadline
 
-    def _step(self, method: str, engine: SpecEngine) -> None:
+    def _admit(self, method: str, engine: SpecEngine) -> None:
+        """Prefill pending requests one at a time while the engine has room, streaming each
+        first token at once (rather than after every prefill and a verification)."""
+        pending = self._pending.get(method)
+        while pending and len(engine.running) < engine.config.max_batch:
+            handle = pending.popleft()
+            try:
+                engine.submit(handle.sequence)
+            except ValueError as err:
+                self._deliver(handle, err)
+                del self._handles[handle.sequence.seq_id]
+                continue
+            self._run(method, engine, engine.admit)
+            if method not in self._engines:
+                return
+
+    def _run(self, method: str, engine: SpecEngine, action: Callable[[], list[Emitted]]) -> None:
+        """``engine.admit`` or ``engine.step``, then hand every emitted delta to its request."""
         stats, drafter = engine.stats, engine.drafter
         draft_before, verify_before = stats.draft_seconds, stats.verify_seconds
         resampled_before = getattr(drafter, "num_resampled_accepted", 0)
         try:
-            emitted = engine.step()
+            emitted = action()
         except Exception as err:  # fail this engine's requests, keep serving the others
             logger.exception("engine %r failed; dropping it", method)
             self._engines.pop(method)
+            self._pending.pop(method, None)
             for seq_id, handle in list(self._handles.items()):
                 if handle.method == method:
                     self._deliver(handle, BackendUnavailable(f"engine error: {err}"))

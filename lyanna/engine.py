@@ -91,6 +91,11 @@ class SpecEngine:
             self._retire(seq_id)
         return emitted
 
+    def admit(self) -> list[Emitted]:
+        """Prefill waiting sequences now (each emits its first token) without a verification;
+        a server streams those first tokens before the next ``step``."""
+        return self._admit()
+
     def abort(self, seq_id: int) -> bool:
         """Drop a waiting or running sequence (its client went away): frees its KV slot and
         drafter state. Returns whether the sequence was known."""
