@@ -280,6 +280,7 @@ class RemoteBackend:
                 lane.wake.clear()
                 await lane.wake.wait()
                 continue
+            self._rebalance(lane)
             batch = list(lane.seqs)
             try:
                 start = time.perf_counter()
@@ -295,6 +296,14 @@ class RemoteBackend:
             if finished:
                 lane.seqs = [s for s in lane.seqs if s not in finished]
                 await self._release(finished)
+
+    def _rebalance(self, lane: _Lane) -> None:
+        """Hand sequences to the emptiest lane so both halves of the pipeline stay busy (safe:
+        this lane's sequences are between steps, the other lane batches a copy)."""
+        other = min(self._lanes, key=lambda candidate: len(candidate.seqs))
+        while len(lane.seqs) > len(other.seqs) + 1:
+            other.seqs.append(lane.seqs.pop())
+            other.wake.set()
 
     async def _verify(
         self,
