@@ -134,7 +134,7 @@ class GatewayMetrics:
         )
         self.requests = Counter(
             "lyanna_request_success_total",
-            "Finished requests by finish reason (stop, length, abort).",
+            "Finished requests by finish reason (stop, length, abort, error), as vLLM's.",
             (*LABELS, "finish_reason"),
             registry=r,
         )
