@@ -9,9 +9,12 @@ concatenated in the decode loop.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from lyanna.model.config import ModelConfig
+if TYPE_CHECKING:  # lyanna.model imports this module: a runtime import would be circular
+    from lyanna.model.config import ModelConfig
 
 
 class CacheFullError(RuntimeError):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 PLANE_BACKENDS = ("grpc", "gloo", "nccl")
+PARENT_PID_ENV = "LYANNA_PARENT_PID"  # set by services.launch for the services it starts
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,15 +30,14 @@ API::
     ) -> Deployment
 
 Services bind port 0 and report the bound port through ``--port-file``, so there is no race
-for free ports; the gateway port is picked free just before the gateway starts. On Linux every
-child gets SIGTERM when the thread that started it exits (``PR_SET_PDEATHSIG``), so a crashed
-launcher leaves no orphaned services behind: call ``launch``/``restart`` from a long-lived
-thread (the main thread, typically).
+for free ports; the gateway port is picked free just before the gateway starts. On Linux each
+service gets SIGTERM when the thread that started it exits (``PR_SET_PDEATHSIG``, set by the
+service itself from ``LYANNA_PARENT_PID``), so a crashed launcher leaves no orphaned services:
+call ``launch``/``restart`` from a long-lived thread (the main thread, typically).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import socket
@@ -53,6 +52,8 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.config import PARENT_PID_ENV
 
 SERVICES = ("verifier", "drafter")
 
@@ -141,13 +142,6 @@ def _log_tail(path: Path, lines: int = 30) -> str:
         return "(no log)"
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the launching thread dies (Linux only)."""
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
 def _spawn(argv: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
     with log_path.open("ab") as log:
         return subprocess.Popen(
@@ -156,7 +150,6 @@ def _spawn(argv: list[str], log_path: Path, env: dict[str, str]) -> subprocess.P
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
         )
 
 
@@ -222,7 +215,7 @@ def launch(
     scratch = tempfile.TemporaryDirectory(prefix="lyanna-services-") if log_dir is None else None
     logs = Path(scratch.name if scratch else log_dir)
     logs.mkdir(parents=True, exist_ok=True)
-    child_env = {**os.environ, **(env or {})}
+    child_env = {**os.environ, **(env or {}), PARENT_PID_ENV: str(os.getpid())}
     child_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(Path(__file__).resolve().parents[1]), child_env.get("PYTHONPATH")) if p
     )

@@ -9,9 +9,12 @@ slot or room is RESOURCE_EXHAUSTED; anything else is INTERNAL with the error tex
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
+import os
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from concurrent import futures
@@ -23,9 +26,11 @@ from grpc_reflection.v1alpha import reflection
 
 from lyanna.kv_cache import CacheFullError
 from lyanna.target import OutOfStepError, UnknownSequenceError
-from services.config import ServerConfig
+from services.config import PARENT_PID_ENV, ServerConfig
 
 log = logging.getLogger("lyanna.services")
+
+PR_SET_PDEATHSIG = 1
 
 
 class ServiceError(Exception):
@@ -77,6 +82,17 @@ def rpc_errors(handler: Callable) -> Callable:
             context.abort(code, f"{handler.__name__}: {message}")
 
     return wrapped
+
+
+def exit_with_parent() -> None:
+    """Linux: get SIGTERM (and drain) when the launcher named in ``LYANNA_PARENT_PID`` dies;
+    exit at once if it is already gone. A no-op when the variable is unset."""
+    parent = os.environ.get(PARENT_PID_ENV)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent):
+        raise SystemExit(f"launcher {parent} is gone")
 
 
 def serve(

@@ -32,7 +32,7 @@ from services.config import ServerConfig, parse_configs
 from services.data_plane import DataPlane
 from services.hidden import HiddenReceiver
 from services.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
-from services.server import invalid, not_found, out_of_step, rpc_errors, serve
+from services.server import exit_with_parent, invalid, not_found, out_of_step, rpc_errors, serve
 
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 log = logging.getLogger("lyanna.services.drafter")
@@ -234,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         (ServerConfig, DrafterConfig), argv, "LYANNA_DRAFTER_", description=__doc__
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s drafter %(message)s")
+    exit_with_parent()
     if server_config.torch_threads:
         torch.set_num_threads(server_config.torch_threads)
     servicer = build_servicer(config, server_config)

@@ -27,7 +27,7 @@ from services.config import ServerConfig, parse_configs
 from services.data_plane import DataPlane
 from services.hidden import HiddenSender
 from services.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
-from services.server import ServiceError, invalid, out_of_step, rpc_errors, serve
+from services.server import ServiceError, exit_with_parent, invalid, out_of_step, rpc_errors, serve
 
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 
@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         (ServerConfig, VerifierConfig), argv, "LYANNA_VERIFIER_", description=__doc__
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s verifier %(message)s")
+    exit_with_parent()
     if server_config.torch_threads:
         torch.set_num_threads(server_config.torch_threads)
     servicer = build_servicer(config, server_config)
