@@ -36,6 +36,7 @@ class DrafterLink:
         self.needs_hidden = True  # until the drafter says otherwise
         self.budget = 0  # max draft tokens (the budget of verifier-side fusion)
         self.num_plane_transfers = 0  # verified steps whose hidden rows used the data plane
+        self.num_starts = 0  # sequences started on the drafter (first starts + resyncs)
         self._down_until = 0.0
         self._error = ""
 
@@ -156,6 +157,7 @@ class DrafterLink:
         except grpc.aio.AioRpcError as error:
             self._failed(error, seqs)
             return False
+        self.num_starts += len(seqs)
         for seq in seqs:
             seq.drafter_synced, seq.pending_step = True, None
             seq.drafter_committed = seq.num_committed

@@ -21,6 +21,7 @@ from services.launch import launch
 from services.pb import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from tests.services.remote_client import (
     PROMPTS,
+    Outcome,
     collect,
     engine_outputs,
     plain_greedy,
@@ -101,6 +102,32 @@ def test_lyanna_greedy_equals_engine_and_plain(lyanna_services, tiny_loaded, pip
     steps = [s for o in outcomes for s in o.steps]
     assert backend.drafter.needs_hidden and sum(s.num_drafted for s in steps) > 0
     assert not any(s.drafter_fallback for s in steps)
+
+
+def test_lost_drafter_state_is_rebuilt_from_the_history(lyanna_services, tiny_loaded) -> None:
+    """The drafter forgets a running sequence (as after a restart): the backend starts it
+    again from every committed token and hidden state, and speculation goes on."""
+    params = SamplingParams(max_tokens=60)
+
+    async def run():
+        backend = RemoteBackend(config_for(lyanna_services), frozenset(), lambda ids: "")
+        await backend.start()
+        stream = backend.generate(GenerationRequest("l", PROMPTS[0], params))
+        outcome = Outcome()
+        async for delta in stream:
+            outcome.tokens += delta.token_ids
+            outcome.steps += [delta.step] if delta.step else []
+            if len(outcome.steps) == 5:
+                seq_id = next(s.seq_id for lane in backend._lanes for s in lane.seqs)
+                request = common_pb2.ReleaseRequest(seq_ids=[seq_id])
+                await backend.drafter.stub.Release(request, timeout=5)
+        await backend.stop()
+        return outcome, backend.drafter.num_starts
+
+    outcome, num_starts = asyncio.run(run())
+    assert outcome.tokens == plain_greedy(tiny_loaded, PROMPTS[:1], 60)[0]
+    assert num_starts == 2  # the first start and one resync
+    assert sum(s.num_drafted for s in outcome.steps[8:]) > 0
 
 
 def test_stale_and_unknown_sequences_get_clear_status(ngram_services) -> None:
