@@ -78,6 +78,7 @@ class RemoteBackend:
         self.default_method = config.method if config.drafter_addr else TARGET_ONLY
         self.methods = tuple(dict.fromkeys((self.default_method, TARGET_ONLY)))
         self.max_context = 0
+        self.vocab_size = 0
         self.num_fallback_steps = 0
         self.num_verified_steps = 0
         self._ids = itertools.count(random.getrandbits(31) << 20)
@@ -110,6 +111,7 @@ class RemoteBackend:
             where = self.config.verifier_addr
             raise BackendUnavailable(f"verifier at {where}: {error.details()}") from None
         self.max_context = capacity.max_len - capacity.reserved_rows
+        self.vocab_size = capacity.vocab_size
         if self.drafter is not None and await self.drafter.describe():
             self.default_method = self.drafter.method
             self.methods = tuple(dict.fromkeys((self.drafter.method, TARGET_ONLY)))
@@ -153,6 +155,8 @@ class RemoteBackend:
         method = request.method or self.default_method
         if method not in self.methods:
             raise ValueError(f"unknown method {method!r}; known: {list(self.methods)}")
+        if not request.prompt_ids or any(not 0 <= t < self.vocab_size for t in request.prompt_ids):
+            raise ValueError(f"prompt token ids must be non-empty and in [0, {self.vocab_size})")
         needed = len(request.prompt_ids) + request.params.max_tokens
         if needed > self.max_context:
             raise ValueError(f"prompt + max_tokens = {needed} exceeds {self.max_context}")

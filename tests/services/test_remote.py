@@ -90,6 +90,25 @@ def test_target_only_method(ngram_services, tiny_loaded) -> None:
     assert all(s.num_drafted == 0 and not s.drafter_fallback for s in steps)
 
 
+def test_invalid_requests_are_refused_before_admission(ngram_services) -> None:
+    async def refused(prompt: list[int], max_tokens: int, method: str | None = None) -> str:
+        backend = RemoteBackend(config_for(ngram_services), frozenset(), lambda ids: "")
+        await backend.start()
+        request = GenerationRequest("x", prompt, SamplingParams(max_tokens=max_tokens), method)
+        try:
+            async for _ in backend.generate(request):
+                raise AssertionError("an invalid request produced tokens")
+        except ValueError as error:
+            return str(error)
+        finally:
+            await backend.stop()
+        raise AssertionError("no error")
+
+    assert "[0, 16)" in asyncio.run(refused([1, 99], 4))
+    assert "exceeds" in asyncio.run(refused([1, 2], 10_000))
+    assert "unknown method" in asyncio.run(refused([1, 2], 4, "eagle"))
+
+
 @pytest.mark.parametrize("pipeline", [True, False], ids=["async", "sync"])
 def test_lyanna_greedy_equals_engine_and_plain(lyanna_services, tiny_loaded, pipeline) -> None:
     params = SamplingParams(max_tokens=MAX_TOKENS)
