@@ -277,3 +277,22 @@ def test_gloo_data_plane_carries_hidden_states(tiny_model_dir, tiny_loaded) -> N
     assert backend.drafter.num_plane_transfers > 0
     steps = [s for o in outcomes for s in o.steps]
     assert not any(s.drafter_fallback for s in steps)
+
+
+def test_health_and_reflection(ngram_services) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    for addr, service in (
+        (ngram_services.verifier_addr, "lyanna.v1.Verifier"),
+        (ngram_services.drafter_addr, "lyanna.v1.Drafter"),
+    ):
+        with grpc.insecure_channel(addr) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+            ask = reflection_pb2.ServerReflectionRequest(list_services="")
+            [answer] = list(reflection.ServerReflectionInfo(iter([ask]), timeout=5))
+            names = {s.name for s in answer.list_services_response.service}
+            assert service in names and "grpc.health.v1.Health" in names
