@@ -11,6 +11,8 @@ import asyncio
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from gateway.backend import GenerationRequest
 from gateway.remote import RemoteBackend, RemoteConfig
@@ -280,9 +282,6 @@ def test_gloo_data_plane_carries_hidden_states(tiny_model_dir, tiny_loaded) -> N
 
 
 def test_health_and_reflection(ngram_services) -> None:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
     for addr, service in (
         (ngram_services.verifier_addr, "lyanna.v1.Verifier"),
         (ngram_services.drafter_addr, "lyanna.v1.Drafter"),
