@@ -1,9 +1,11 @@
 """Verifier and drafter as real subprocesses on a tiny random model, driven through the
 ``RemoteBackend``: greedy output equals plain decoding and the in-process engine (n-gram and a
 model-based Lyanna drafter, asynchronous pipeline and synchronous), seeded sampling equals
-the engine, stale or unknown sequences get a clear status, a killed drafter falls back to
-target-only steps and speculation recovers when it returns, cancellation frees both services,
-and the gloo data plane carries the hidden states."""
+the engine, invalid requests are refused up front, stale or unknown sequences get a clear
+status, a drafter that lost a sequence is resynced from the full history, a killed drafter
+falls back to target-only steps and speculation recovers when it returns, cancellation frees
+both services, both serve health and reflection, and the gloo data plane carries the hidden
+states."""
 
 from __future__ import annotations
 
