@@ -2,7 +2,7 @@
 budget B) in a grid, per method; AR runs once and every setting is compared with it.
 
     python -m bench.tree_sweep [--methods eagle] [--depths 3,5,7] [--top-ks 2,4,8]
-        [--budgets 8,16,32] [--limit-per-category 1] [--max-tokens 64]
+        [--budgets 8,16,32] [--configs 3x2x4,5x4x16] [--limit-per-category 1] [--max-tokens 64]
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ def main() -> None:
     parser.add_argument("--depths", default="3,5,7")
     parser.add_argument("--top-ks", default="2,4,8")
     parser.add_argument("--budgets", default="8,16,32")
+    parser.add_argument(
+        "--configs", help="explicit DEPTHxTOPKxBUDGET list instead of the grid, e.g. 3x2x4,5x4x16"
+    )
     parser.add_argument("--limit-per-category", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=0)
@@ -35,7 +38,10 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens)
     reference = ArReference()
     rows = []
-    grid = itertools.product(ints(args.depths), ints(args.top_ks), ints(args.budgets))
+    if args.configs:
+        grid = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
+    else:
+        grid = itertools.product(ints(args.depths), ints(args.top_ks), ints(args.budgets))
     for depth, top_k, budget in grid:
         results = run_methods(
             setup,
