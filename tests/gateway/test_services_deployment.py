@@ -1,7 +1,8 @@
 """Three processes, wired the way a cluster wires them: ``services.launch`` starts the verifier
 and drafter and a ``lyanna serve --mode services --verifier-addr ... --drafter-addr ...``
 gateway that only connects. Through the official client, greedy answers (streamed or not)
-equal plain greedy decoding and /metrics reports the drafter's accepted tokens."""
+equal plain greedy decoding and /metrics reports the drafter's steps; with the drafter killed
+the answer is unchanged (target-only fallback) and /metrics counts the fallback steps."""
 
 from __future__ import annotations
 
@@ -45,3 +46,14 @@ def test_gateway_connects_to_running_services(tiny_chat_dir, loaded) -> None:
         metrics = httpx.get(url + "/metrics").text
         assert 'lyanna_spec_draft_steps_total{method="ngram"' in metrics
         assert 'service="services"' in metrics
+        deployment.kill("drafter")  # target-only fallback: same answer, counted in /metrics
+        response = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=32, temperature=0
+        )
+        assert response.choices[0].message.content == expected
+        fallbacks = [
+            line
+            for line in httpx.get(url + "/metrics").text.splitlines()
+            if line.startswith("lyanna_spec_drafter_fallback_total{")
+        ]
+        assert fallbacks and float(fallbacks[0].rsplit(" ", 1)[1]) > 0
