@@ -143,8 +143,8 @@ class GatewayMetrics:
         return {"method": method, "model": self.model, "service": self.service}
 
     def prime(self, method: str) -> None:
-        """Create the unlabelled-by-position series of ``method`` at zero, so dashboards and
-        scrapes see every name before the first request."""
+        """Create ``method``'s counters and gauges at zero (those without a per-position or
+        per-reason label), so scrapes and dashboards see the names before any request."""
         labels = self.labels(method)
         for metric in (
             self.draft_steps,
