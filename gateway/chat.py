@@ -57,8 +57,9 @@ class ChatSession:
         if options.system:
             self.messages.append({"role": "system", "content": options.system})
 
-    def ask(self, prompt: str, out: TextIO = sys.stdout) -> TurnStats:
-        """Stream one answer to ``out``; the conversation keeps both turns."""
+    def ask(self, prompt: str, out: TextIO | None = None) -> TurnStats:
+        """Stream one answer to ``out`` (default stdout); the conversation keeps both turns."""
+        out = out or sys.stdout
         self.messages.append({"role": "user", "content": prompt})
         start = time.perf_counter()
         first: float | None = None

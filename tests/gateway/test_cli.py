@@ -62,3 +62,22 @@ def test_chat_reports_an_unreachable_server(capsys) -> None:
     options = ChatOptions(url=f"http://127.0.0.1:{free_port()}/v1")
     assert run_chat(options, "hi") == 1
     assert "lyanna chat:" in capsys.readouterr().err
+
+
+def test_chat_session_keeps_the_conversation(gateway, capsys) -> None:
+    from gateway.chat import ChatSession
+
+    session = ChatSession(ChatOptions(url=gateway.url + "/v1", max_tokens=6, system="Be brief."))
+    first = session.ask("Hello!")
+    second = session.ask("And again?")
+    assert [m["role"] for m in session.messages] == [
+        "system",
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+    ]
+    assert first.completion_tokens == second.completion_tokens == 6
+    assert first.acceptance_length is not None and first.method == "ngram"
+    assert "tokens/s" in first.line() and "acceptance length" in first.line()
+    assert capsys.readouterr().out.count("\n") == 2
