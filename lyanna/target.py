@@ -10,7 +10,7 @@ both drive this one class, so the oracle and the service verify with the same co
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -111,7 +111,8 @@ class TargetRunner:
             generator = params.make_generator()
         slot = self.cache.allocate()
         try:
-            shell = Sequence(seq_id, prompt_ids, params, generator=generator)
+            # a shell for the prompt only: stop strings are the caller's (no detokenizer here)
+            shell = Sequence(seq_id, prompt_ids, replace(params, stop=()), generator=generator)
             hidden = prefill_prompt(self.model, shell, self.cache, slot)  # [P, hidden]
         except Exception:
             self.cache.release(slot)

@@ -30,3 +30,12 @@ def test_unknown_and_out_of_step_sequences_are_refused() -> None:
         runner.verify([3], [TokenTree.root_only((first + 1) % 16)])
     with pytest.raises(OutOfStepError, match="already"):
         runner.prefill(3, [1], SamplingParams())
+
+
+def test_prefill_accepts_stop_strings_it_leaves_to_the_caller() -> None:
+    """The runner decides tokens; stop strings are matched by whoever detokenizes."""
+    runner = TargetRunner(make_tiny_model(1, vocab_size=16), TargetConfig(max_seqs=1, max_len=64))
+    params = SamplingParams(max_tokens=8, stop=("\n\n",))
+    plain = TargetRunner(make_tiny_model(1, vocab_size=16), TargetConfig(max_seqs=1, max_len=64))
+    expected = plain.prefill(0, [1, 2, 3], SamplingParams(max_tokens=8)).first_token
+    assert runner.prefill(0, [1, 2, 3], params).first_token == expected
