@@ -33,7 +33,7 @@ def plain_outputs(default_model, default_tokenizer):
     return prompts, eos, [s.output_ids for s in seqs]
 
 
-@pytest.mark.parametrize("method", ["ngram", "lyanna", "lyanna-unfused"])
+@pytest.mark.parametrize("method", ["ngram", "sps", "lyanna", "lyanna-unfused"])
 def test_speculative_greedy_equals_plain(method, default_model, plain_outputs) -> None:
     prompts, eos, expected = plain_outputs
     drafter = make_drafter(method, default_model, DraftBudget(depth=4, top_k=4, max_tokens=12))
