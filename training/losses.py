@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from lyanna.model import default_model_dir, read_hf_dir
+from lyanna.model.config import ModelConfig
 from training.config import TrainConfig
 
 
@@ -28,6 +30,16 @@ class FrozenTarget:
     def from_embedding(cls, embedding: torch.Tensor, hot_vocab: torch.Tensor) -> FrozenTarget:
         embedding = embedding.detach().float()
         return cls(embedding, hot_vocab, embedding[hot_vocab].contiguous())
+
+
+def default_target_state(target_config: ModelConfig) -> dict[str, torch.Tensor] | None:
+    """The default model's HF state dict when it is the target being trained against (drafters
+    warm-start from its layers), else None (e.g. tiny test targets)."""
+    default_dir = default_model_dir()
+    if not (default_dir / "config.json").is_file():
+        return None
+    default_config, state = read_hf_dir(default_dir)
+    return state if default_config == target_config else None
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -11,10 +11,9 @@ import torch
 from torch import nn
 
 from lyanna.drafters.lyanna_model import LyannaDraftConfig, LyannaDraftModel, draft_loss
-from lyanna.model import default_model_dir, read_hf_dir
 from lyanna.model.config import ModelConfig
 from training.config import TrainConfig
-from training.losses import FrozenTarget, TrainBatch
+from training.losses import FrozenTarget, TrainBatch, default_target_state
 
 
 class LyannaTrainModel(nn.Module):
@@ -35,11 +34,9 @@ class LyannaTrainModel(nn.Module):
             fuse_first_token=config.fuse_first_token,
         )
         model = cls(LyannaDraftModel(draft_config, target.embedding, target.hot_vocab), config)
-        default_dir = default_model_dir()
-        if (default_dir / "config.json").is_file():
-            default_config, state = read_hf_dir(default_dir)
-            if default_config == target_config:
-                model.init_from_target(state)
+        state = default_target_state(target_config)
+        if state is not None:
+            model.init_from_target(state)
         return model
 
     def init_from_target(self, target_state: dict[str, torch.Tensor]) -> None:

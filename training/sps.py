@@ -10,13 +10,18 @@ import torch
 from torch import nn
 
 from lyanna.drafters.sps import SpsConfig
-from lyanna.model import default_model_dir, read_hf_dir
 from lyanna.model.config import ModelConfig
 from lyanna.model.loader import build_model
 from lyanna.model.transformer import Block, RMSNorm, rope_tables
 from training.block_forward import causal_block
 from training.config import TrainConfig
-from training.losses import FrozenTarget, TrainBatch, composite_loss, target_rows
+from training.losses import (
+    FrozenTarget,
+    TrainBatch,
+    composite_loss,
+    default_target_state,
+    target_rows,
+)
 
 
 class SpsTrainModel(nn.Module):
@@ -39,11 +44,9 @@ class SpsTrainModel(nn.Module):
         cls, target: FrozenTarget, target_config: ModelConfig, config: TrainConfig
     ) -> SpsTrainModel:
         model = cls(target_config, target, config)
-        default_dir = default_model_dir()
-        if (default_dir / "config.json").is_file():
-            default_config, state = read_hf_dir(default_dir)
-            if default_config == target_config:
-                model.init_from_target(state)
+        state = default_target_state(target_config)
+        if state is not None:
+            model.init_from_target(state)
         return model
 
     def init_from_target(self, target_state: dict[str, torch.Tensor]) -> None:
