@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--png", type=Path, default=Path("docs/img/batch_sweep.png"))
     args = parser.parse_args()
     set_threads(args.threads)
-    setup = BenchSetup.load(per_category=args.limit_per_category)
+    setup = BenchSetup.load(per_category=args.limit_per_category, weights=args.weights)
     budget = DraftBudget(args.depth, args.top_k, args.budget)
     params = SamplingParams(max_tokens=args.max_tokens)
     methods = args.methods.split(",")

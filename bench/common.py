@@ -53,6 +53,9 @@ def add_run_args(parser: argparse.ArgumentParser, per_category: int, max_tokens:
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--budget", type=int, default=16)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    parser.add_argument(
+        "--weights", choices=("auto", "fp32", "q4"), default="auto", help="target weights"
+    )
 
 
 def set_threads(threads: int) -> None:

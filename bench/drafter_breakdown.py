@@ -44,7 +44,7 @@ def main() -> None:
     add_run_args(parser, per_category=1, max_tokens=64)
     args = parser.parse_args()
     set_threads(args.threads)
-    setup = BenchSetup.load(per_category=args.limit_per_category)
+    setup = BenchSetup.load(per_category=args.limit_per_category, weights=args.weights)
     budget = DraftBudget(args.depth, args.top_k, args.budget)
     params = SamplingParams(max_tokens=args.max_tokens)
     rows = []

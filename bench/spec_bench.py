@@ -105,7 +105,9 @@ class BenchSetup:
     prompts: dict[str, list[list[int]]]
 
     @classmethod
-    def load(cls, questions: Path = SPEC_BENCH, per_category: int | None = 4) -> BenchSetup:
+    def load(
+        cls, questions: Path = SPEC_BENCH, per_category: int | None = 4, weights: str = "auto"
+    ) -> BenchSetup:
         model_dir = fetch_default_model()
         tokenizer = load_tokenizer(model_dir)
         by_category: dict[str, list[list[int]]] = defaultdict(list)
@@ -113,7 +115,8 @@ class BenchSetup:
             by_category[q["category"]].append(
                 chat_prompt_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}])
             )
-        return cls(load_model(model_dir), frozenset({tokenizer.eos_token_id}), dict(by_category))
+        model = load_model(model_dir, weights=weights)
+        return cls(model, frozenset({tokenizer.eos_token_id}), dict(by_category))
 
     @property
     def num_prompts(self) -> int:
@@ -249,7 +252,7 @@ def main() -> None:
     methods = list(args.methods or [])
     if args.methods_csv:
         methods += list(DRAFTERS) if args.methods_csv == "all" else args.methods_csv.split(",")
-    setup = BenchSetup.load(args.questions, args.limit_per_category)
+    setup = BenchSetup.load(args.questions, args.limit_per_category, args.weights)
     budget = DraftBudget(depth=args.depth, top_k=args.top_k, max_tokens=args.budget)
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed

@@ -75,7 +75,7 @@ def _serve_embedded(args: argparse.Namespace, config: GatewayConfig) -> None:
     def ready() -> None:
         print(banner(config, holder["app"].state.backend.default_method), flush=True)
 
-    holder["app"] = embedded_app(load(args.model), config, embedded, ready)
+    holder["app"] = embedded_app(load(args.model, args.weights), config, embedded, ready)
     serve(holder["app"], config, args.log_level)
 
 
@@ -91,6 +91,7 @@ def _serve_services(args: argparse.Namespace, config: GatewayConfig) -> None:
         _serve_remote(args, config, tokenizer, eos, args.verifier_addr, args.drafter_addr)
         return
     verifier_args = ("--max-seqs", str(args.max_batch), "--max-len", str(args.max_len))
+    verifier_args += ("--weights", args.weights)
     for method in dict.fromkeys((args.method, *FALLBACK_METHODS)):
         try:
             deployment = launch(model_path, method=method, verifier_args=verifier_args)

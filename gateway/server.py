@@ -27,13 +27,14 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
 
 
-def load(model_dir: str | Path | None = None) -> LoadedModel:
-    """The target model and its tokenizer (default: SmolLM2-135M-Instruct, fetched once)."""
+def load(model_dir: str | Path | None = None, weights: str = "auto") -> LoadedModel:
+    """The target model and its tokenizer (default: SmolLM2-135M-Instruct, fetched once);
+    ``weights`` as in ``lyanna.model.load_model``."""
     from lyanna.model import fetch_default_model, load_model
     from lyanna.tokenizer import load_tokenizer
 
     path = Path(model_dir) if model_dir else fetch_default_model()
-    model = load_model(path)
+    model = load_model(path, weights=weights)
     tokenizer = load_tokenizer(path)
     return LoadedModel(model, tokenizer, eos_ids(tokenizer, model))
 

@@ -25,7 +25,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from lyanna.tokenizer import chat_prompt_ids, load_tokenizer
 
     model_path = Path(args.model) if args.model else fetch_default_model()
-    model = load_model(model_path)
+    model = load_model(model_path, weights=args.weights)
     tokenizer = load_tokenizer(model_path)
     params = SamplingParams(
         temperature=args.temperature,
@@ -75,6 +75,18 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     return run_chat(options, args.prompt)
 
 
+def _add_weights(parser: argparse.ArgumentParser) -> None:
+    from lyanna.model.loader import WEIGHT_FORMATS
+
+    parser.add_argument(
+        "--weights",
+        choices=WEIGHT_FORMATS,
+        default=os.environ.get("LYANNA_WEIGHTS", "auto"),
+        help="target weights: q4 = the GGUF's 4-bit blocks on the int4 kernel, fp32 = "
+        "dequantized (exact), auto = whichever measured faster here (env LYANNA_WEIGHTS)",
+    )
+
+
 def _add_serve(sub) -> None:
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
     serve.add_argument("--mode", choices=("embedded", "services"), default="embedded")
@@ -82,6 +94,7 @@ def _add_serve(sub) -> None:
     serve.add_argument("--port", type=int, help="default 8000 (env LYANNA_PORT)")
     serve.add_argument("--method", default="lyanna", help="default speculative method")
     serve.add_argument("--model", help="an HF directory or .gguf (default: SmolLM2-135M)")
+    _add_weights(serve)
     serve.add_argument("--max-batch", type=int, default=8, help="running sequences per engine")
     serve.add_argument("--max-len", type=int, default=2048, help="KV rows per sequence")
     serve.add_argument("--max-waiting", type=int, default=64, help="queue bound (then 429)")
@@ -126,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="answer one chat prompt with plain decoding")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--model", help="a .gguf file or HF directory (default: SmolLM2-135M)")
+    _add_weights(gen)
     gen.add_argument("--max-tokens", type=int, default=256)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)

@@ -16,7 +16,17 @@ from safetensors.torch import load_file, save_file
 
 from lyanna.model.config import ModelConfig, UnsupportedModelError
 from lyanna.model.cpu_kernels import prepack_linears
+from lyanna.model.quant import (
+    Q4_TYPES,
+    BF16Linear,
+    Int4Linear,
+    Q4Blocks,
+    int4_kernel_available,
+    parse_q4_blocks,
+)
 from lyanna.model.transformer import Transformer, rope_tables
+
+WEIGHT_FORMATS = ("auto", "fp32", "q4")
 
 HF_LAYER = "model.layers.{}."
 _GGUF_LAYER_NAMES = {
@@ -78,36 +88,73 @@ def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
-def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Dequantize a llama GGUF file to an fp32 state dict with Hugging Face names."""
+def _unpermute_rope_rows(num_rows: int, num_heads: int) -> torch.Tensor:
+    """The row order ``_unpermute_rope`` produces, as an index (for weights kept in blocks)."""
+    return _unpermute_rope(torch.arange(num_rows)[:, None], num_heads)[:, 0]
+
+
+def _hf_name(name: str) -> str | None:
+    """Hugging Face name of a GGUF tensor (None for tensors the decoder does not use)."""
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output_norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    if name.startswith("blk."):
+        _, idx, kind, _ = name.split(".")
+        if kind in _GGUF_LAYER_NAMES:
+            return HF_LAYER.format(idx) + _GGUF_LAYER_NAMES[kind] + ".weight"
+    return None
+
+
+def _open_gguf(path: str | Path):
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"GGUF file not found: {path}")
     reader = GGUFReader(path)
-    config = _gguf_config(reader)
+    return reader, _gguf_config(reader)
+
+
+def read_gguf_q4(path: str | Path) -> dict[str, Q4Blocks]:
+    """The GGUF's 4-bit linear weights (Q4_0 / Q4_1) as blocks, by Hugging Face name, with
+    llama.cpp's q/k row interleaving undone (rows move whole, so every block is kept)."""
+    reader, config = _open_gguf(path)
+    blocks: dict[str, Q4Blocks] = {}
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        if name is None or tensor.tensor_type.name not in Q4_TYPES or ".layers." not in name:
+            continue
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        weight = parse_q4_blocks(tensor.data, tensor.tensor_type.name, shape)
+        if name.endswith("q_proj.weight"):
+            weight = weight.rows(_unpermute_rope_rows(shape[0], config.num_heads))
+        elif name.endswith("k_proj.weight"):
+            weight = weight.rows(_unpermute_rope_rows(shape[0], config.num_kv_heads))
+        blocks[name] = weight
+    return blocks
+
+
+def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Dequantize a llama GGUF file to an fp32 state dict with Hugging Face names."""
+    from gguf.quants import dequantize
+
+    reader, config = _open_gguf(path)
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        if name is None:
+            continue
         array = dequantize(tensor.data, tensor.tensor_type)
         shape = tuple(int(d) for d in reversed(tensor.shape))
         weight = torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))
-        name = tensor.name
-        if name == "token_embd.weight":
-            state["model.embed_tokens.weight"] = weight
-        elif name == "output_norm.weight":
-            state["model.norm.weight"] = weight
-        elif name == "output.weight":
-            state["lm_head.weight"] = weight
-        elif name.startswith("blk."):
-            _, idx, kind, _ = name.split(".")
-            if kind == "attn_q":
-                weight = _unpermute_rope(weight, config.num_heads)
-            elif kind == "attn_k":
-                weight = _unpermute_rope(weight, config.num_kv_heads)
-            if kind in _GGUF_LAYER_NAMES:
-                state[HF_LAYER.format(idx) + _GGUF_LAYER_NAMES[kind] + ".weight"] = weight
+        if name.endswith("q_proj.weight"):
+            weight = _unpermute_rope(weight, config.num_heads)
+        elif name.endswith("k_proj.weight"):
+            weight = _unpermute_rope(weight, config.num_kv_heads)
+        state[name] = weight
     return config, state
 
 
@@ -133,9 +180,12 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     prepack: bool = True,
+    q4: dict[str, Q4Blocks] | None = None,
 ) -> Transformer:
     """Map a Hugging Face Llama state dict onto the lean model; on CPU, ``prepack`` swaps the
-    linear layers for oneDNN-packed ones (see ``cpu_kernels``)."""
+    linear layers for oneDNN-packed ones (see ``cpu_kernels``). With ``q4`` (4-bit blocks by
+    Hugging Face name, ``read_gguf_q4``) every projection whose parts are all 4-bit runs on
+    the int4 kernel and the LM head in bf16 (see ``quant``)."""
 
     def take(name: str) -> torch.Tensor:
         if name not in hf_state:
@@ -169,9 +219,30 @@ def build_model(
     model.rope_cos, model.rope_sin = rope_tables(config)
     model = model.to(device=device, dtype=dtype).eval()
     model.rope_cos, model.rope_sin = (t.to(device) for t in rope_tables(config))
+    if q4:
+        _use_q4(model, q4)
     if prepack:
         prepack_linears(model)
     return model
+
+
+def _use_q4(model: Transformer, q4: dict[str, Q4Blocks]) -> None:
+    """Swap the fused projections for ``Int4Linear`` wherever all their parts are 4-bit."""
+    fused = {
+        "attention.wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "attention.wo": ("self_attn.o_proj",),
+        "feed_forward.w13": ("mlp.gate_proj", "mlp.up_proj"),
+        "feed_forward.w2": ("mlp.down_proj",),
+    }
+    for i, block in enumerate(model.layers):
+        for ours, parts in fused.items():
+            names = [HF_LAYER.format(i) + p + ".weight" for p in parts]
+            if all(n in q4 for n in names):
+                parent_name, attr = ours.split(".")
+                parent = getattr(block, parent_name)
+                setattr(parent, attr, Int4Linear(Q4Blocks.cat([q4[n] for n in names])))
+    model.lm_head = BF16Linear(model.lm_head.weight)
+    model.attention_dtype = torch.float64  # see Transformer.attention_dtype
 
 
 def load_model(
@@ -179,16 +250,52 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     prepack: bool = True,
+    weights: str = "fp32",
 ) -> Transformer:
-    """Load a ``.gguf`` file or a Hugging Face directory."""
+    """Load a ``.gguf`` file or a Hugging Face directory.
+
+    ``weights``: ``fp32`` dequantizes everything (the exact reference); ``q4`` runs the 4-bit
+    blocks of the source GGUF (the file itself, or the one a converted default-model directory
+    came from) on the int4 kernel; ``auto`` picks whichever measured faster on this machine
+    (``calibrate.choose_weights``, cached per machine)."""
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
     path = Path(path)
     if path.suffix == ".gguf":
         config, state = read_gguf(path)
+        gguf = path
     elif path.is_dir():
         config, state = read_hf_dir(path)
+        gguf = source_gguf(path)
     else:
         raise CheckpointError(f"not a .gguf file or a checkpoint directory: {path}")
-    return build_model(config, state, dtype, device, prepack)
+    q4 = None
+    if weights != "fp32" and torch.device(device).type == "cpu" and dtype == torch.float32:
+        q4 = read_gguf_q4(gguf) if gguf is not None and int4_kernel_available() else {}
+        if weights == "q4" and not q4:
+            raise CheckpointError(
+                f"weights='q4' needs a GGUF with Q4_0/Q4_1 layers and torch's int4 CPU kernel; "
+                f"{path} has none"
+            )
+        if weights == "auto" and q4:
+            from lyanna.model.calibrate import choose_weights
+
+            q4 = q4 if choose_weights(config) == "q4" else None
+    elif weights == "q4":
+        raise ValueError("weights='q4' runs on the CPU in float32 only")
+    return build_model(config, state, dtype, device, prepack, q4=q4 or None)
+
+
+def source_gguf(model_dir: Path) -> Path | None:
+    """The GGUF a converted directory was made from, when it is still in the cache."""
+    from lyanna.model.default import MARKER, cache_root
+
+    marker = model_dir / MARKER
+    if not marker.is_file():
+        return None
+    name = Path(json.loads(marker.read_text()).get("file", "")).name
+    gguf = cache_root() / "gguf" / name
+    return gguf if name and gguf.is_file() else None
 
 
 def export_hf_dir(config: ModelConfig, hf_state: dict[str, torch.Tensor], out_dir: Path) -> None:

@@ -76,9 +76,12 @@ class Attention(nn.Module):
         xk = apply_rope(xk, ctx.cos, ctx.sin)
         ctx.cache.write(layer, ctx.slots, ctx.rows, xk, xv)
         keys, values = ctx.cache.read(layer, ctx.slots, ctx.kv_len)
+        attention_dtype = getattr(ctx, "attention_dtype", None)  # drafters' contexts: None
+        if attention_dtype is not None:
+            xq, keys, values = (t.to(attention_dtype) for t in (xq, keys, values))
         out = F.scaled_dot_product_attention(
             xq, keys, values, attn_mask=ctx.mask, enable_gqa=self.num_kv_heads != self.num_heads
-        )
+        ).to(x.dtype)
         return self.wo(out.transpose(1, 2).reshape(B, q, self.num_heads * hd))
 
 
@@ -118,11 +121,13 @@ class ForwardContext:
         tree_mask: torch.Tensor | None,  # [B, q, q] bool, True = may attend; None = causal
         cos_table: torch.Tensor,
         sin_table: torch.Tensor,
+        attention_dtype: torch.dtype | None = None,
     ) -> None:
         B, q = positions.shape
         cache.check_room(slots, q)
         lengths = cache.lengths[slots]  # [B]
         self.cache, self.slots = cache, slots
+        self.attention_dtype = attention_dtype
         self.rows = lengths[:, None] + torch.arange(q)  # [B, q]
         self.kv_len = int(lengths.max()) + q
         self.cos = cos_table[positions].unsqueeze(1).to(cache.keys.dtype)  # [B, 1, q, hd]
@@ -155,6 +160,13 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # None = the activations' dtype. The q4 weights set float64: they round every linear's
+        # input to bf16, which turns attention's last-bit differences between a one-token and
+        # a tree forward (kernel and summation order depend on the shape) into visible ones;
+        # float64 attention rounds back to the same float32 whatever the order, so a token's
+        # hidden state does not depend on how many tokens share its forward (measured bitwise)
+        # and speculation reproduces greedy decoding exactly.
+        self.attention_dtype: torch.dtype | None = None
         cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -180,7 +192,9 @@ class Transformer(nn.Module):
         slot's committed prefix (call ``cache.commit`` to keep some of them)."""
         if int(positions.max()) >= self.config.max_position_embeddings:
             raise ValueError("position exceeds the model's context length")
-        ctx = ForwardContext(cache, slots, positions, tree_mask, self.rope_cos, self.rope_sin)
+        ctx = ForwardContext(
+            cache, slots, positions, tree_mask, self.rope_cos, self.rope_sin, self.attention_dtype
+        )
         x = self.embed_tokens(tokens)
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, i)

@@ -19,6 +19,7 @@ import grpc
 import torch
 
 from lyanna.model import load_model
+from lyanna.model.loader import WEIGHT_FORMATS
 from lyanna.sampling import SamplingParams
 from lyanna.target import TargetConfig, TargetRunner
 from lyanna.tree import TokenTree
@@ -39,9 +40,12 @@ class VerifierConfig:
     max_len: int = 2048  # KV rows per sequence
     rule: str | None = None  # acceptance rule at temperature > 0 (None = scheme default)
     max_tree_nodes: int = 128  # largest tree (after fusion) one sequence may send
+    weights: str = "auto"  # q4 | fp32 | auto (see lyanna.model.load_model)
 
     def __post_init__(self) -> None:
         TargetConfig(self.max_seqs, self.max_len, self.rule)
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be one of {WEIGHT_FORMATS}")
         if self.max_tree_nodes < 1:
             raise ValueError("max_tree_nodes must be >= 1")
 
@@ -196,7 +200,7 @@ def build_servicer(config: VerifierConfig, server_config: ServerConfig) -> Verif
     from lyanna.model import fetch_default_model
 
     path = config.model or str(fetch_default_model())
-    model = load_model(path)
+    model = load_model(path, weights=config.weights)
     runner = TargetRunner(model, TargetConfig(config.max_seqs, config.max_len, config.rule))
     plane = None
     if server_config.plane != "grpc":

@@ -1,0 +1,151 @@
+"""Native 4-bit weights: GGUF Q4 blocks load to exactly the file's numbers, the int4 kernel
+computes the same products within bf16 rounding, and a Q4_1 GGUF model runs in q4 mode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lyanna.model import CheckpointError, load_model
+from lyanna.model.loader import export_hf_dir, read_gguf, read_gguf_q4
+from lyanna.model.quant import GROUP, Int4Linear, Q4Blocks, parse_q4_blocks
+from tests.conftest import make_tiny_model
+from tests.unit.test_loader import hf_state_of
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"), reason="no int4 CPU kernel"
+)
+
+
+def _quantize(weight: np.ndarray, kind: str) -> np.ndarray:
+    import gguf
+
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    return gguf.quants.quantize(weight.astype(np.float32), qtype)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_blocks_reproduce_gguf_dequantization_exactly(kind: str) -> None:
+    import gguf
+
+    rng = np.random.default_rng(0)
+    weight = rng.normal(size=(48, 4 * GROUP)).astype(np.float32)
+    raw = _quantize(weight, kind)
+    blocks = parse_q4_blocks(raw, kind, weight.shape)
+    expected = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, kind))
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(np.asarray(expected)))
+    assert blocks.codes.max() <= 15 and blocks.codes.dtype == torch.uint8
+
+
+def test_int4_linear_matches_dequantized_linear() -> None:
+    gen = torch.Generator().manual_seed(0)
+    out_f, in_f = 96, 8 * GROUP
+    codes = torch.randint(0, 16, (out_f, in_f), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(out_f, in_f // GROUP, generator=gen) * 0.02 + 0.001
+    minimum = -8 * scale + torch.randn(out_f, in_f // GROUP, generator=gen) * 0.01
+    blocks = Q4Blocks(codes, scale, minimum)
+    layer = Int4Linear(blocks)
+    for rows in (1, 3, 16):
+        x = torch.randn(2, rows, in_f, generator=gen)
+        got = layer(x)
+        expected = x @ blocks.dequantize().T
+        assert got.shape == expected.shape and got.dtype == torch.float32
+        rel = (got - expected).norm() / expected.norm()
+        assert rel < 1e-2, rel  # bf16 activations and scales: about 2^-9 per element
+        # a wrong code order or scale layout gives an error of order 1
+        wrong = x @ Q4Blocks(codes.flip(1), scale, minimum).dequantize().T
+        assert (got - wrong).norm() / expected.norm() > 0.1
+
+
+def _write_q4_gguf(path: Path, kind: str = "Q4_1") -> dict[str, torch.Tensor]:
+    """A tiny llama GGUF whose projections are 4-bit blocks (q/k rows permuted as llama.cpp
+    stores them); returns the Hugging Face state of the fp32 model it was quantized from."""
+    import gguf
+
+    model = make_tiny_model(7)
+    cfg = model.config
+    state = hf_state_of(model)
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+
+    def permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+        rows, cols = w.shape
+        return w.reshape(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(cfg.num_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"].numpy())
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"].numpy())
+    quantized = {
+        "attn_q": ("self_attn.q_proj", cfg.num_heads),
+        "attn_k": ("self_attn.k_proj", cfg.num_kv_heads),
+        "attn_v": ("self_attn.v_proj", None),
+        "attn_output": ("self_attn.o_proj", None),
+        "ffn_gate": ("mlp.gate_proj", None),
+        "ffn_up": ("mlp.up_proj", None),
+        "ffn_down": ("mlp.down_proj", None),
+    }
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}."
+        attn_norm = state[pre + "input_layernorm.weight"].numpy()
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", attn_norm)
+        writer.add_tensor(
+            f"blk.{i}.ffn_norm.weight", state[pre + "post_attention_layernorm.weight"].numpy()
+        )
+        for short, (long, heads) in quantized.items():
+            w = state[pre + long + ".weight"]
+            stored = permute(w, heads) if heads else w
+            raw = _quantize(stored.numpy(), kind)
+            writer.add_tensor(f"blk.{i}.{short}.weight", raw, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return state
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_q4_gguf_model_runs_on_its_blocks(tmp_path: Path, kind: str) -> None:
+    gguf_file = tmp_path / "tiny-q4.gguf"
+    _write_q4_gguf(gguf_file, kind)
+    _, dequantized = read_gguf(gguf_file)
+    blocks = read_gguf_q4(gguf_file)
+    assert len(blocks) == 7 * 2
+    for name, b in blocks.items():  # q/k un-permutation applied to whole rows of blocks
+        assert torch.equal(b.dequantize(), dequantized[name]), name
+
+    exact = load_model(gguf_file, weights="fp32")
+    q4 = load_model(gguf_file, weights="q4")
+    assert isinstance(q4.layers[0].attention.wqkv, Int4Linear)
+    assert isinstance(q4.layers[1].feed_forward.w2, Int4Linear)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, exact.config.vocab_size, (1, 12), generator=gen)
+    logits = []
+    for model in (exact, q4):
+        cache = model.new_cache(1, 32)
+        slot = torch.tensor([cache.allocate()])
+        logits.append(model.logits(model(ids, torch.arange(12)[None], cache, slot))[0])
+    rel = (logits[0] - logits[1]).norm() / logits[0].norm()
+    assert rel < 2e-2, rel
+
+
+def test_q4_without_a_4bit_source_is_a_clear_error(tmp_path: Path) -> None:
+    model = make_tiny_model(3)
+    export_hf_dir(model.config, hf_state_of(model), tmp_path / "hf")
+    with pytest.raises(CheckpointError, match="Q4_0/Q4_1"):
+        load_model(tmp_path / "hf", weights="q4")
+    with pytest.raises(ValueError, match="weights must be one of"):
+        load_model(tmp_path / "hf", weights="int3")
+    # auto falls back to the exact fp32 model when there is nothing 4-bit to run
+    auto = load_model(tmp_path / "hf", weights="auto")
+    assert not isinstance(auto.layers[0].attention.wqkv, Int4Linear)
