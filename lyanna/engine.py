@@ -19,19 +19,21 @@ from lyanna.model.transformer import Transformer
 from lyanna.sequence import Sequence
 from lyanna.stats import SpecStats
 from lyanna.target import TargetConfig, TargetRunner
-from lyanna.verify import Verdict
+from lyanna.verify import Verdict, sampling_rule
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     max_batch: int = 8  # running sequences per step
     max_len: int = 4096  # KV rows per sequence (prompt + output + one tree)
-    rule: str | None = None  # acceptance rule by name; None = greedy at T=0, else the
-    #                          drafter scheme's default lossless rule
+    rule: str | None = None  # acceptance rule by name at T > 0 (never greedy); greedy is
+    #                          always used at T=0; None = the drafter scheme's default rule
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_len < 2:
             raise ValueError("max_batch must be >= 1 and max_len >= 2")
+        if self.rule is not None:
+            sampling_rule(self.rule)  # refused here, before any model or drafter is built
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -51,6 +53,8 @@ class SpecEngine:
         self.model = model
         self.drafter = drafter or NoDrafter()
         self.config = config or EngineConfig()
+        if self.config.rule is not None and not isinstance(self.drafter, NoDrafter):
+            sampling_rule(self.config.rule, self.drafter.scheme)  # not at every drafted tree
         self.target = TargetRunner(
             model, TargetConfig(self.config.max_batch, self.config.max_len, self.config.rule)
         )

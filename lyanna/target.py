@@ -19,7 +19,7 @@ from lyanna.model.transformer import Transformer
 from lyanna.sampling import SamplingParams, greedy_or_sample, logits_to_probs
 from lyanna.sequence import Sequence
 from lyanna.tree import TokenTree, pack_trees
-from lyanna.verify import AcceptanceRule, Verdict, get_rule, rule_for
+from lyanna.verify import AcceptanceRule, Verdict, choose_rule, sampling_rule
 
 
 class UnknownSequenceError(KeyError):
@@ -34,14 +34,14 @@ class OutOfStepError(ValueError):
 class TargetConfig:
     max_seqs: int = 8  # KV slots: sequences that can be in flight at once
     max_len: int = 4096  # KV rows per sequence (prompt + output + one tree)
-    rule: str | None = None  # acceptance rule by name at temperature > 0; None = the
-    #                          default lossless rule of each tree's draft scheme
+    rule: str | None = None  # acceptance rule by name at temperature > 0 (never greedy);
+    #                          None = the default lossless rule of each tree's draft scheme
 
     def __post_init__(self) -> None:
         if self.max_seqs < 1 or self.max_len < 2:
             raise ValueError("max_seqs must be >= 1 and max_len >= 2")
         if self.rule is not None:
-            get_rule(self.rule)
+            sampling_rule(self.rule)  # unknown: KeyError; greedy-only: LossyRuleError
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -128,7 +128,8 @@ class TargetRunner:
         return_hidden: bool = False,
     ) -> list[Verified]:
         """One target forward over all trees, the acceptance rule per sequence, and the KV
-        commit of each accepted path. Every tree's root must be the sequence's next token."""
+        commit of each accepted path. Every tree's root must be the sequence's next token.
+        Rules are chosen first, so a refused rule changes no sequence's state."""
         states = [self._state(s) for s in seq_ids]
         for seq_id, state, tree in zip(seq_ids, states, trees, strict=True):
             if int(tree.tokens[0]) != state.next_token:
@@ -136,16 +137,17 @@ class TargetRunner:
                     f"sequence {seq_id}: tree root {int(tree.tokens[0])} is not the next "
                     f"token {state.next_token}"
                 )
+        rules = [self._rule(state.params, tree) for state, tree in zip(states, trees, strict=True)]
         slots = torch.tensor([s.slot for s in states])
         packed = pack_trees(trees, self.cache.lengths[slots])
         hidden = self.model(packed.tokens, packed.positions, self.cache, slots, packed.mask)
         logits = self.model.logits(hidden)  # [B, n_max, vocab]
         results = []
-        for row, (state, tree) in enumerate(zip(states, trees, strict=True)):
+        for row, (state, tree, rule) in enumerate(zip(states, trees, rules, strict=True)):
             rows = logits[row, : tree.num_nodes]  # [num_nodes, vocab]
             if not state.params.greedy:
                 rows = logits_to_probs(rows, state.params.temperature, state.params.top_p)
-            verdict = self._rule(state.params, tree)(tree, rows, state.generator)
+            verdict = rule(tree, rows, state.generator)
             self.cache.commit(state.slot, verdict.path)
             state.next_token = verdict.tokens[-1]
             results.append(
@@ -167,9 +169,9 @@ class TargetRunner:
         return True
 
     def _rule(self, params: SamplingParams, tree: TokenTree) -> AcceptanceRule:
-        if self.config.rule is not None and not params.greedy:
-            return get_rule(self.config.rule)
-        return rule_for(tree.scheme, params.greedy)
+        """Greedy at temperature 0, else the configured rule (refused with `LossyRuleError`
+        unless lossless for this tree's scheme) or the scheme's default."""
+        return choose_rule(tree, params.temperature, self.config.rule)
 
     def _state(self, seq_id: int) -> _TargetSeq:
         try:

@@ -32,8 +32,8 @@ class Verdict:
     `tokens` holds the accepted draft tokens followed by exactly one residual-or-bonus token,
     so `len(tokens) == num_accepted + 1` (the acceptance length). Callers stop at EOS inside
     `tokens`: a prefix of a lossless output is lossless. `residual_fallback` flags the
-    probability-zero branch where the residual was empty in floating point and the target row
-    was used instead (§7.3).
+    probability-zero branch where a residual the verdict used (for a later trial or the final
+    token) was empty in floating point and a fallback row stood in for it (§7.3).
     """
 
     path: list[int]  # accepted node indices, root (0) first
@@ -80,6 +80,7 @@ class AcceptanceRule(Protocol):
     needs_draft_probs: bool  # False: the tree's draft rows are never read
     needs_chain: bool  # True: verifies chains only
     schemes: frozenset[DraftScheme]  # drafting schemes this rule is lossless for
+    greedy_only: bool  # True: lossless only for one-hot (temperature-0) target rows
 
     def __call__(
         self,
@@ -109,6 +110,7 @@ class RuleBase:
     needs_draft_probs: bool = True
     needs_chain: bool = False
     schemes: frozenset[DraftScheme] = frozenset(DraftScheme)
+    greedy_only: bool = False
 
     def __call__(
         self,
@@ -249,6 +251,18 @@ def positive_residual(
     else:
         residual.div_(mass)
     return residual, mass.squeeze(-1)
+
+
+def without_tokens(
+    rows: torch.Tensor,  # [..., vocab]
+    tokens: torch.Tensor,  # [..., k] int64 tokens to remove from each row
+) -> torch.Tensor:  # [..., vocab] normalised
+    """`rows` with `tokens` zeroed, renormalised: the fallback for an empty residual after
+    rejections, since in exact arithmetic a residual never puts mass on a rejected token. A row
+    whose whole mass is on `tokens` (a degenerate, probability-zero case) is kept whole."""
+    kept = rows.scatter(-1, tokens, 0.0)
+    chosen = torch.where(kept.sum(dim=-1, keepdim=True) > 0, kept, rows)
+    return chosen / chosen.sum(dim=-1, keepdim=True)
 
 
 def draw(

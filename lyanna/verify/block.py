@@ -110,7 +110,7 @@ class _BlockFamily(RuleBase):
             if g > 0:  # tau = the last success (backward scan), 0 if none
                 num_accepted = torch.where(success, torch.arange(1, g + 1), 0).amax(dim=1)
             probs, fallback = next_token_probs(
-                group.target_probs, group.draft_probs, num_accepted, weights
+                group.target_probs, group.draft_probs, group.draft_tokens, num_accepted, weights
             )
             tokens = draw_rows(probs, generator)
             for row, i in enumerate(group.indices):
@@ -131,6 +131,7 @@ class _BlockFamily(RuleBase):
         probs, _ = next_token_probs(
             group.target_probs.expand(g + 1, -1, -1),
             drafts,
+            group.draft_tokens.expand(g + 1, -1),
             every_tau,
             weights.expand(g + 1, -1),
         )

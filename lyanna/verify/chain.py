@@ -6,7 +6,7 @@ Chains of different lengths form separate groups, and a group is capped at `GROU
 rows: on CPU, copying (and page-faulting) large stacked tensors costs more than the batching
 saves, so with a full-size vocabulary each chain is its own group of views, with no copy.
 Also owns the final-token row of a chain rule: the (weighted) residual at tau < g or the
-bonus row at tau = g.
+bonus row at tau = g, with its fallback when the residual is empty in floating point.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from lyanna.tree import TokenTree
-from lyanna.verify.base import draft_rows, positive_residual
+from lyanna.verify.base import draft_rows, positive_residual, without_tokens
 
 GROUP_BYTES = 4 << 20  # stack chains into one group only while their rows fit in this budget
 
@@ -97,21 +97,28 @@ def _stack(
 def next_token_probs(
     target_probs: torch.Tensor,  # [batch, g + 1, vocab]
     draft_probs: torch.Tensor | None,  # [batch, g, vocab]; None when g == 0
+    draft_tokens: torch.Tensor,  # [batch, g] int64
     num_accepted: torch.Tensor,  # [batch] int64 tau
     weights: torch.Tensor | None = None,  # [batch, g + 1] w_t; None = all ones (token-wise)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [batch, vocab], [batch] bool: fallback used
     """norm(max(w_tau p_{tau+1} - q_{tau+1}, 0)) where tau < g, the bonus row p_{g+1} where
-    tau = g (rows are unnormalised only by rounding)."""
+    tau = g (rows are unnormalised only by rounding). A residual empty in floating point falls
+    back to p_{tau+1} without the rejected draft token x_{tau+1}, so it is never emitted."""
     rows = torch.arange(num_accepted.shape[0])
     target_rows = target_probs[rows, num_accepted]  # [batch, vocab]
     if draft_probs is None:
         return target_rows, torch.zeros(rows.shape[0], dtype=torch.bool)
     g = draft_probs.shape[1]
     rejected = num_accepted < g  # [batch]
-    draft_at = draft_probs[rows, num_accepted.clamp(max=g - 1)] * rejected[:, None]
+    at = num_accepted.clamp(max=g - 1)
+    draft_at = draft_probs[rows, at] * rejected[:, None]
     weighted = target_rows
     if weights is not None:
         weight = torch.where(rejected, weights[rows, num_accepted], 1.0).to(target_rows.dtype)
         weighted = weight[:, None] * target_rows
     probs, mass = positive_residual(weighted, draft_at, target_rows)
-    return probs, (mass <= 0) & rejected
+    fallback = (mass <= 0) & rejected
+    if bool(fallback.any()):  # probability zero in exact arithmetic (§7.3)
+        kept = without_tokens(target_rows, draft_tokens[rows, at][:, None])
+        probs = torch.where(fallback[:, None], kept, probs)
+    return probs, fallback

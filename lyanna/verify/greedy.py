@@ -30,6 +30,7 @@ class Greedy(RuleBase):
     name = "greedy"
     needs_draft_probs = False
     schemes = frozenset(DraftScheme)
+    greedy_only = True  # argmax of sampled rows is not the target's law
 
     def _verify_batch(
         self,

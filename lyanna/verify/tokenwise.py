@@ -49,7 +49,7 @@ class TokenWise(RuleBase):
         for group in group_chains(trees, target_probs):
             num_accepted = self._num_accepted(group, generator)
             next_probs, fallback = next_token_probs(
-                group.target_probs, group.draft_probs, num_accepted
+                group.target_probs, group.draft_probs, group.draft_tokens, num_accepted
             )
             tokens = draw_rows(next_probs, generator)
             for row, i in enumerate(group.indices):
@@ -77,7 +77,10 @@ class TokenWise(RuleBase):
         drafts = None if g == 0 else group.draft_probs.expand(g + 1, -1, -1)
         every_tau = torch.arange(g + 1)  # one row per possible outcome
         next_probs, _ = next_token_probs(
-            group.target_probs.expand(g + 1, -1, -1), drafts, every_tau
+            group.target_probs.expand(g + 1, -1, -1),
+            drafts,
+            group.draft_tokens.expand(g + 1, -1),
+            every_tau,
         )
         branches, survive = [], 1.0
         for tau in range(g + 1):

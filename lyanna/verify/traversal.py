@@ -42,14 +42,19 @@ class TraversalTest:
     path: tuple[int, ...]
     accept_probability: float
     next_token_probs: torch.Tensor  # [vocab]
-    fallback: bool  # an empty residual was replaced by the current row so far
+    fallback: bool  # next_token_probs is a fallback row standing in for an empty residual
 
 
 class _Traversals:
     """Lockstep traversal state of a batch of trees. Rows are copy-on-write (only a node that
     lost a child has its own Mb / Ms rows); Ms is kept unnormalised with its total, which
     leaves every residual unchanged and only rescales S. The scalars the levels need,
-    Mb_parent(c) and Ms_parent(c) / total for every live child c, are cached as floats."""
+    Mb_parent(c) and Ms_parent(c) / total for every live child c, are cached as floats.
+
+    An empty residual at a node (often: pa = 0 below a zero target mass) makes Mb a fallback
+    row but also sets pa = 0, so that node and its subtree are never accepted and the row is
+    never sampled, except at the root, whose final test always succeeds. A verdict is flagged
+    only when its final token is drawn from such a row, not for every empty residual met."""
 
     def __init__(
         self,
@@ -65,7 +70,7 @@ class _Traversals:
         self.parents = [t.parents.tolist() for t in trees]
         self.live = [[list(t.children(i)) for i in range(t.num_nodes)] for t in trees]
         self.level = [[1.0] * t.num_nodes for t in trees]
-        self.fallback = [False] * len(trees)
+        self.fallback_rows: set[tuple[int, int]] = set()  # (b, node) whose Mb is a fallback
         self.target_rows: dict[tuple[int, int], torch.Tensor] = {}  # Mb once it differs from p
         self.draft_left: dict[tuple[int, int], tuple[torch.Tensor, float]] = {}  # Ms*total, total
         self.target_mass: list[list[float]] = []  # Mb_parent(token of c), by child c
@@ -103,7 +108,8 @@ class _Traversals:
     def test(self, b: int) -> TraversalTest:
         path = self.first_leaf_path(b)
         level = 1.0 if len(path) == 1 else self.level[b][path[-1]]
-        return TraversalTest(path, level, self.mb(b, path[-1]), self.fallback[b])
+        fallback = (b, path[-1]) in self.fallback_rows
+        return TraversalTest(path, level, self.mb(b, path[-1]), fallback)
 
     def delete(self, rejected: list[tuple[int, int]]) -> None:
         """Remove one rejected leaf (b, leaf) per listed tree and update each parent as block
@@ -127,7 +133,8 @@ class _Traversals:
         draft_rows_left[torch.arange(len(nodes)), leaf_tokens] = 0.0
         new_totals = draft_rows_left.sum(dim=-1).tolist()
         for i, ((b, a), excess) in enumerate(zip(nodes, mass.tolist(), strict=True)):
-            self.fallback[b] = self.fallback[b] or excess <= 0
+            if excess <= 0:  # flagged only if Mb_a is emitted from, see `_Traversals`
+                self.fallback_rows.add((b, a))
             excess /= totals[i]  # S
             denominator = excess + (1.0 - old_levels[i])  # S + (1 - w), never (S + 1) - w
             self.level[b][a] = excess / denominator if denominator > 0 else 0.0

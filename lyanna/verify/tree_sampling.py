@@ -4,6 +4,8 @@ Owns §3.1-3.4 of the verification design: starting at the root, try the childre
 node in sibling order; child c is accepted when `u * q_k(c) < p'(c)`, which moves to c; a
 rejection replaces the target row by the residual `norm(max(p' - q_k, 0))`; when every child is
 rejected the residual gives the final token, and at a leaf the bonus comes from the target row.
+A residual empty in floating point (probability zero in exact arithmetic) is replaced by p'
+without the tokens rejected so far, flagged, so a rejected token is never emitted.
 The rules differ only in the trial row q_k and how it changes after a rejection:
 - `SpecInferMultiStep` (Miao et al. 2024) for i.i.d. children: q_k = q, never updated;
 - `RecursiveRejectionWithoutReplacement` (Yang et al. 2024, EAGLE-1) for children drawn without
@@ -27,6 +29,7 @@ from lyanna.verify.base import (
     draw,
     make_verdict,
     positive_residual,
+    without_tokens,
 )
 
 
@@ -41,19 +44,26 @@ class SiblingTrials:
         target_row: torch.Tensor,  # [vocab] p(. | node)
         draft_row: torch.Tensor | None,  # [vocab] q(. | node); None if the rule needs none
     ) -> None:
-        self.rule, self.original = rule, target_row
+        self.rule = rule
         self.target_row, self.draft_row = target_row, draft_row  # p', q'
-        self.fallback = False  # an empty residual was replaced by the original row
+        self.rejected: list[int] = []  # tokens tried and rejected here, in order
+        self.fallback = False  # an empty residual was replaced by a fallback row
 
     def masses(self, token: int) -> tuple[torch.Tensor, torch.Tensor]:  # p'(c), q_k(c)
         return self.target_row[token], self.rule._trial_mass(self.draft_row, token)
 
     def reject(self, token: int) -> None:
-        self.target_row, mass = self.rule._residual(
-            self.target_row, self.draft_row, token, self.original
-        )
-        self.fallback = self.fallback or bool(mass <= 0)
+        self.rejected.append(token)
+        residual, mass = self.rule._residual(self.target_row, self.draft_row, token)
+        if bool(mass <= 0):  # empty in floating point only (§7.3)
+            residual, self.fallback = self._fallback_row(), True
+        self.target_row = residual
         self.draft_row = self.rule._after_rejection(self.draft_row, token)
+
+    def _fallback_row(self) -> torch.Tensor:  # [vocab]
+        """p' before this subtraction without the rejected tokens: a residual never puts mass
+        on a rejected token, and p(. | node) would re-emit them."""
+        return without_tokens(self.target_row, torch.tensor(self.rejected))
 
 
 class _TopDownRule(RuleBase):
@@ -72,9 +82,9 @@ class _TopDownRule(RuleBase):
         target_row: torch.Tensor,  # [vocab] p'
         draft_row: torch.Tensor | None,  # [vocab] q' (None if the rule needs no draft rows)
         token: int,
-        original: torch.Tensor,  # [vocab] p(. | node), the fallback
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [vocab] norm(max(p' - q_k, 0)), [] its mass
-        return positive_residual(target_row, draft_row, original)
+        """The row is meaningless where the mass is 0; `SiblingTrials` replaces it then."""
+        return positive_residual(target_row, draft_row, target_row)
 
     def _after_rejection(
         self,
@@ -214,12 +224,9 @@ class DeterministicCandidates(_TopDownRule):
         target_row: torch.Tensor,  # [vocab] p'
         draft_row: torch.Tensor | None,  # [vocab] unused
         token: int,
-        original: torch.Tensor,  # [vocab] p(. | node), the fallback
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [vocab], [] residual mass
         """max(p' - one_hot(c), 0) is p' with c zeroed, since p'(c) <= 1."""
         residual = target_row.clone()
         residual[token] = 0.0
         mass = residual.sum()
-        if mass > 0:
-            return residual.div_(mass), mass
-        return original / original.sum(), mass
+        return (residual.div_(mass) if mass > 0 else residual), mass
