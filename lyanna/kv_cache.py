@@ -38,6 +38,7 @@ class KVCache:
         self.lengths = torch.zeros(num_slots, dtype=torch.int64)  # [S] committed rows per slot
         self.max_len = max_len
         self._free = list(range(num_slots - 1, -1, -1))
+        self._run_of: tuple[torch.Tensor | None, slice | None] = (None, None)
 
     @property
     def num_slots(self) -> int:
@@ -85,11 +86,19 @@ class KVCache:
         self, layer: int, slots: torch.Tensor, kv_len: int
     ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [B, kv_heads, kv_len, hd]
         """The first ``kv_len`` rows of each slot (a view when the slots are contiguous)."""
-        first = int(slots[0])
-        if bool((slots == torch.arange(first, first + len(slots))).all()):
-            sl = slice(first, first + len(slots))
-            return self.keys[layer, sl, :, :kv_len], self.values[layer, sl, :, :kv_len]
+        run = self._contiguous_run(slots)
+        if run is not None:
+            return self.keys[layer, run, :, :kv_len], self.values[layer, run, :, :kv_len]
         return self.keys[layer, slots, :, :kv_len], self.values[layer, slots, :, :kv_len]
+
+    def _contiguous_run(self, slots: torch.Tensor) -> slice | None:
+        """``slots`` as a slice when they are consecutive; every layer of a forward passes the
+        same tensor, so the answer is kept for it (one check per forward, not per layer)."""
+        if slots is not self._run_of[0]:
+            first = int(slots[0])
+            consecutive = bool((slots == torch.arange(first, first + len(slots))).all())
+            self._run_of = (slots, slice(first, first + len(slots)) if consecutive else None)
+        return self._run_of[1]
 
     def commit(self, slot: int, keep: torch.Tensor | list[int]) -> None:
         """Append the speculative rows ``length + keep`` (ascending, relative to the first

@@ -27,9 +27,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # one fused op (eight eager ops before; the same float32 numbers, measured)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,7 +42,7 @@ def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, q, hd]; cos/sin [B, 1, q, hd]."""
+    """x [..., hd]; cos/sin broadcastable to it (x [B, heads, q, hd] with cos [B, 1, q, hd])."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -66,21 +65,25 @@ class Attention(nn.Module):
         layer: int,
     ) -> torch.Tensor:  # [B, q, d]
         B, q, _ = x.shape
-        hd = self.head_dim
-        qkv = self.wqkv(x)
-        n_q, n_kv = self.num_heads * hd, self.num_kv_heads * hd
-        xq = qkv[..., :n_q].view(B, q, self.num_heads, hd).transpose(1, 2)
-        xk = qkv[..., n_q : n_q + n_kv].view(B, q, self.num_kv_heads, hd).transpose(1, 2)
-        xv = qkv[..., n_q + n_kv :].view(B, q, self.num_kv_heads, hd).transpose(1, 2)
-        xq = apply_rope(xq, ctx.cos, ctx.sin)
-        xk = apply_rope(xk, ctx.cos, ctx.sin)
+        hd, nh, nkv = self.head_dim, self.num_heads, self.num_kv_heads
+        qkv = self.wqkv(x).view(B, q, nh + 2 * nkv, hd)
+        # queries and keys rotate together: one RoPE instead of two ([B, q, heads, hd] layout)
+        qk = apply_rope(qkv[:, :, : nh + nkv], ctx.cos.transpose(1, 2), ctx.sin.transpose(1, 2))
+        xq = qk[:, :, :nh].transpose(1, 2)
+        xk = qk[:, :, nh:].transpose(1, 2)
+        xv = qkv[:, :, nh + nkv :].transpose(1, 2)
         ctx.cache.write(layer, ctx.slots, ctx.rows, xk, xv)
         keys, values = ctx.cache.read(layer, ctx.slots, ctx.kv_len)
         attention_dtype = getattr(ctx, "attention_dtype", None)  # drafters' contexts: None
         if attention_dtype is not None:
             xq, keys, values = (t.to(attention_dtype) for t in (xq, keys, values))
         out = F.scaled_dot_product_attention(
-            xq, keys, values, attn_mask=ctx.mask, enable_gqa=self.num_kv_heads != self.num_heads
+            xq,
+            keys,
+            values,
+            attn_mask=ctx.mask,
+            is_causal=getattr(ctx, "is_causal", False),
+            enable_gqa=nkv != nh,
         ).to(x.dtype)
         return self.wo(out.transpose(1, 2).reshape(B, q, self.num_heads * hd))
 
@@ -128,11 +131,13 @@ class ForwardContext:
         lengths = cache.lengths[slots]  # [B]
         self.cache, self.slots = cache, slots
         self.attention_dtype = attention_dtype
+        # a fresh prompt alone: causal attention over exactly its own rows, no mask to build
+        self.is_causal = tree_mask is None and q > 1 and B == 1 and int(lengths[0]) == 0
         self.rows = lengths[:, None] + torch.arange(q)  # [B, q]
         self.kv_len = int(lengths.max()) + q
         self.cos = cos_table[positions].unsqueeze(1).to(cache.keys.dtype)  # [B, 1, q, hd]
         self.sin = sin_table[positions].unsqueeze(1).to(cache.keys.dtype)
-        self.mask = self._build_mask(lengths, q, tree_mask)
+        self.mask = None if self.is_causal else self._build_mask(lengths, q, tree_mask)
 
     def _build_mask(
         self, lengths: torch.Tensor, q: int, tree_mask: torch.Tensor | None
