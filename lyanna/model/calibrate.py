@@ -62,33 +62,32 @@ def _layers(config: ModelConfig, fmt: str) -> list[torch.nn.Module]:
     return mods
 
 
-def _step_seconds(mods: list[torch.nn.Module], rows: int, repeats: int = 5) -> float:
-    inputs = {m.in_features: torch.randn(rows, m.in_features) for m in mods}  # type: ignore[attr-defined]
+def _step(mods: list[torch.nn.Module], rows: int) -> Callable[[], None]:
+    inputs = {m.in_features: torch.randn(rows, m.in_features) for m in mods}  # type: ignore
 
     def step() -> None:
         for m in mods:
             m(inputs[m.in_features])  # type: ignore[attr-defined]
 
-    return _median(step, repeats)
+    return step
 
 
-def _median(fn: Callable[[], None], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
-
-
-def measure(config: ModelConfig) -> dict[str, dict[int, float]]:
-    """Seconds per step of linear products, by format and new-row count."""
-    result: dict[str, dict[int, float]] = {}
-    for fmt in ("fp32", "q4"):
-        mods = _layers(config, fmt)
-        result[fmt] = {rows: _step_seconds(mods, rows) for rows in ROWS}
-        del mods
+def measure(config: ModelConfig, repeats: int = 7) -> dict[str, dict[int, float]]:
+    """Median seconds per step of linear products, by format and new-row count. The formats
+    take turns within each repeat, so a busy machine slows both alike."""
+    formats = {fmt: _layers(config, fmt) for fmt in ("fp32", "q4")}
+    result: dict[str, dict[int, float]] = {fmt: {} for fmt in formats}
+    for rows in ROWS:
+        steps = {fmt: _step(mods, rows) for fmt, mods in formats.items()}
+        times: dict[str, list[float]] = {fmt: [] for fmt in formats}
+        for i in range(repeats + 1):
+            for fmt, step in steps.items():
+                start = time.perf_counter()
+                step()
+                if i:  # the first round warms up
+                    times[fmt].append(time.perf_counter() - start)
+        for fmt, ts in times.items():
+            result[fmt][rows] = sorted(ts)[len(ts) // 2]
     return result
 
 

@@ -149,3 +149,24 @@ def test_q4_without_a_4bit_source_is_a_clear_error(tmp_path: Path) -> None:
     # auto falls back to the exact fp32 model when there is nothing 4-bit to run
     auto = load_model(tmp_path / "hf", weights="auto")
     assert not isinstance(auto.layers[0].attention.wqkv, Int4Linear)
+
+
+def test_auto_weights_follow_the_measurement_and_cache_it(tmp_path: Path, monkeypatch) -> None:
+    from lyanna.model import calibrate
+    from lyanna.model.config import ModelConfig
+
+    monkeypatch.setenv("LYANNA_CACHE", str(tmp_path))
+    calls = []
+
+    def fake_measure(config):
+        calls.append(config)
+        return {"fp32": {1: 0.010, 4: 0.012}, "q4": {1: 0.004, 4: timing_q4_at_4}}
+
+    monkeypatch.setattr(calibrate, "measure", fake_measure)
+    config = ModelConfig.tiny()
+    timing_q4_at_4 = 0.020  # q4 slower for a 4-row verification: not chosen
+    assert calibrate.choose_weights(config) == "fp32"
+    assert calibrate.choose_weights(config) == "fp32" and len(calls) == 1  # cached
+    (tmp_path / "calibration.json").unlink()
+    timing_q4_at_4 = 0.006
+    assert calibrate.choose_weights(config) == "q4" and len(calls) == 2
