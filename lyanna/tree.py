@@ -5,6 +5,8 @@ SpecInfer), the `DraftScheme` that says how the drafter chose each node's childr
 acceptance rule must match it: see `lyanna.verify`), the attention mask and position ids of the
 tree forward, pruning to a node budget by joint draft probability, trie-union merging
 (verification fusion), and packing a batch of trees into padded tensors for one forward.
+`DraftNodes` are a drafter's candidate nodes as plain lists: drafters build, prune and merge
+those and make one `TokenTree` per proposal, so a draft step costs no tensor op per node.
 
 Conventions: node 0 is the root, the last committed token, whose KV is not yet in the target
 cache; `parents[0] == -1` and `parents[i] < i`. The children of a node are listed in increasing
@@ -51,6 +53,7 @@ class TokenTree:
     depths: torch.Tensor = field(init=False, repr=False)  # [num_nodes] int64, root 0
     log_joint: torch.Tensor = field(init=False, repr=False)  # [num_nodes] float64, root 0
     _ancestors: torch.Tensor = field(init=False, repr=False)  # [num_nodes, num_nodes] bool
+    _paths: tuple[tuple[int, ...], ...] = field(init=False, repr=False)  # root .. node indices
     _children: tuple[tuple[int, ...], ...] = field(init=False, repr=False)
     _depth_counts: tuple[int, ...] = field(init=False, repr=False)  # nodes at depth 1, 2, ...
 
@@ -67,28 +70,24 @@ class TokenTree:
             raise ValueError("parents must satisfy 0 <= parents[i] < i for every non-root node")
         n = len(parent_list)
         children: list[list[int]] = [[] for _ in range(n)]
-        depth = [0] * n
-        ancestors = torch.eye(n, dtype=torch.bool)
+        paths: list[tuple[int, ...]] = [(0,)]
         for i in range(1, n):
             children[parent_list[i]].append(i)
-            depth[i] = depth[parent_list[i]] + 1
-            ancestors[i] |= ancestors[parent_list[i]]
+            paths.append((*paths[parent_list[i]], i))
         if self.scheme is DraftScheme.CHAIN_SAMPLED and any(len(c) > 1 for c in children):
             raise ValueError("a CHAIN_SAMPLED tree must be a chain (one child per node)")
         self._check_draft_fields(n)
         if self.draft_token_probs is None and self.draft_probs is not None:
             object.__setattr__(self, "draft_token_probs", self._token_probs_from_rows())
-        log_joint = [0.0] * n
-        if self.draft_token_probs is not None:
-            log_q = self.draft_token_probs.double().clamp(0.0, 1.0).log().tolist()
-            for i in range(1, n):
-                log_joint[i] = log_joint[parent_list[i]] + log_q[i]
+        depth = [len(path) - 1 for path in paths]
         counts = [0] * (max(depth) + 1)
         for d in depth:
             counts[d] += 1
         object.__setattr__(self, "depths", torch.tensor(depth, dtype=torch.int64))
+        log_joint = _log_joint(parent_list, self.draft_token_probs)
         object.__setattr__(self, "log_joint", torch.tensor(log_joint, dtype=torch.float64))
-        object.__setattr__(self, "_ancestors", ancestors)
+        object.__setattr__(self, "_ancestors", _ancestor_mask(paths))
+        object.__setattr__(self, "_paths", tuple(paths))
         object.__setattr__(self, "_children", tuple(tuple(c) for c in children))
         object.__setattr__(self, "_depth_counts", tuple(counts[1:]))
 
@@ -199,7 +198,7 @@ class TokenTree:
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root (inclusive) to `node` (inclusive)."""
-        return self._ancestors[node].nonzero().squeeze(1).tolist()
+        return list(self._paths[node])
 
     def num_drafted_per_depth(self) -> list[int]:
         """Number of draft nodes at depth 1, 2, ..., max_depth."""
@@ -233,21 +232,11 @@ class TokenTree:
         lower index first). A child never beats its parent, so the kept set is closed under
         ancestors. Pruning a non-chain tree selects candidates by their probabilities, so the
         children are no longer i.i.d. or without-replacement samples: the result is TOPK."""
-        if budget < 0:
-            raise ValueError("budget must be >= 0")
         if budget >= self.num_drafted:
             return self
-        order = sorted(range(1, self.num_nodes), key=lambda i: (-float(self.log_joint[i]), i))
-        kept = {0}
-        parent_list = self.parents.tolist()
-        for node in order:
-            if len(kept) > budget:
-                break
-            if parent_list[node] in kept:
-                kept.add(node)
-        keep = torch.tensor(sorted(kept), dtype=torch.int64)
+        keep = _best_nodes(self.parents.tolist(), self.log_joint.tolist(), budget)
         scheme = self.scheme if self.is_chain else DraftScheme.TOPK
-        return self._select(keep, scheme)
+        return self._select(torch.tensor(keep, dtype=torch.int64), scheme)
 
     def _select(
         self,
@@ -279,30 +268,118 @@ class TokenTree:
         Node order: this tree's nodes first, then the new ones from `other`. A shared node
         keeps the larger draft token probability (known only if both trees have them). The
         union is a deterministic candidate set (TOPK) and carries no draft rows."""
-        if int(self.tokens[0]) != int(other.tokens[0]):
+        return DraftNodes.of(self).merge(DraftNodes.of(other)).to_tree()
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class DraftNodes:
+    """A drafter's candidate nodes before they become a `TokenTree`, as plain Python lists:
+    building, pruning and merging them costs no tensor op per node, and only the tree finally
+    proposed pays for `TokenTree`'s checks and attention mask. Same conventions as `TokenTree`
+    (node 0 is the root, `parents[i] < i`, children in drawing order); `probs[i]` is the draft
+    probability of node i's token (1 for the root), as in `TokenTree.draft_token_probs`."""
+
+    tokens: list[int]
+    parents: list[int]
+    probs: list[float] | None = None
+
+    @classmethod
+    def of(cls, tree: TokenTree) -> DraftNodes:
+        probs = tree.draft_token_probs
+        return cls(
+            tree.tokens.tolist(), tree.parents.tolist(), None if probs is None else probs.tolist()
+        )
+
+    @property
+    def num_drafted(self) -> int:
+        return len(self.tokens) - 1
+
+    def to_tree(self) -> TokenTree:
+        """The proposal: a deterministic candidate set (TOPK), like every pruned tree."""
+        probs = None if self.probs is None else torch.tensor(self.probs, dtype=torch.float64)
+        return TokenTree.from_parents(
+            self.tokens, self.parents, scheme=DraftScheme.TOPK, draft_token_probs=probs
+        )
+
+    def token_paths(self) -> list[tuple[int, ...]]:
+        """The token sequence from the root (exclusive) to every node (the root's is empty)."""
+        paths: list[tuple[int, ...]] = [()]
+        for token, parent in zip(self.tokens[1:], self.parents[1:], strict=True):
+            paths.append((*paths[parent], token))
+        return paths
+
+    def prune(self, budget: int) -> DraftNodes:
+        """`TokenTree.prune` on the lists: the same nodes, in the same order."""
+        if budget >= self.num_drafted:
+            return self
+        probs = None if self.probs is None else torch.tensor(self.probs, dtype=torch.float64)
+        keep = _best_nodes(self.parents, _log_joint(self.parents, probs), budget)
+        new_index = {node: i for i, node in enumerate(keep)}
+        return DraftNodes(
+            [self.tokens[i] for i in keep],
+            [-1] + [new_index[self.parents[i]] for i in keep[1:]],
+            None if self.probs is None else [self.probs[i] for i in keep],
+        )
+
+    def merge(self, other: DraftNodes) -> DraftNodes:
+        """Trie union, as documented on `TokenTree.merge` (which calls this)."""
+        if self.tokens[0] != other.tokens[0]:
             raise ValueError("merge needs trees with the same root token")
+        have_probs = self.probs is not None and other.probs is not None
         index: dict[tuple[int, int], int] = {}
-        tokens, parents, probs = [int(self.tokens[0])], [-1], [1.0]
-        have_probs = self.draft_token_probs is not None and other.draft_token_probs is not None
-        for tree in (self, other):
-            tree_probs = tree.draft_token_probs.tolist() if have_probs else None
-            new_index = [0] * tree.num_nodes
-            for i in range(1, tree.num_nodes):
-                key = (new_index[int(tree.parents[i])], int(tree.tokens[i]))
+        tokens, parents, probs = [self.tokens[0]], [-1], [1.0]
+        for nodes in (self, other):
+            new_index = [0] * len(nodes.tokens)
+            for i in range(1, len(nodes.tokens)):
+                key = (new_index[nodes.parents[i]], nodes.tokens[i])
                 if key not in index:
                     index[key] = len(tokens)
                     tokens.append(key[1])
                     parents.append(key[0])
                     probs.append(0.0)
                 new_index[i] = index[key]
-                if tree_probs is not None:
-                    probs[new_index[i]] = max(probs[new_index[i]], tree_probs[i])
-        return TokenTree.from_parents(
-            tokens,
-            parents,
-            scheme=DraftScheme.TOPK,
-            draft_token_probs=torch.tensor(probs, dtype=torch.float64) if have_probs else None,
-        )
+                if have_probs:
+                    probs[new_index[i]] = max(probs[new_index[i]], nodes.probs[i])
+        return DraftNodes(tokens, parents, probs if have_probs else None)
+
+
+def _log_joint(
+    parents: list[int],
+    token_probs: torch.Tensor | None,  # [num_nodes]
+) -> list[float]:
+    """Log joint draft probability of every node (0 without probabilities), summed root to
+    node in float64 exactly as pruning has always ranked nodes."""
+    log_joint = [0.0] * len(parents)
+    if token_probs is not None:
+        log_q = token_probs.double().clamp(0.0, 1.0).log().tolist()
+        for i in range(1, len(parents)):
+            log_joint[i] = log_joint[parents[i]] + log_q[i]
+    return log_joint
+
+
+def _best_nodes(parents: list[int], log_joint: list[float], budget: int) -> list[int]:
+    """Ascending indices of the root and the `budget` draft nodes with the highest joint
+    draft probability (ties: lower index first), kept only under a kept parent."""
+    if budget < 0:
+        raise ValueError("budget must be >= 0")
+    order = sorted(range(1, len(parents)), key=lambda i: (-log_joint[i], i))
+    kept = {0}
+    for node in order:
+        if len(kept) > budget:
+            break
+        if parents[node] in kept:
+            kept.add(node)
+    return sorted(kept)
+
+
+def _ancestor_mask(paths: list[tuple[int, ...]]) -> torch.Tensor:  # [n, n] bool
+    """mask[i, j] iff j lies on the root-to-i path: one scatter, not one op per node."""
+    n = len(paths)
+    rows = [i for i, path in enumerate(paths) for _ in path]
+    cols = [j for path in paths for j in path]
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    mask[rows, cols] = True
+    return mask
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -8,9 +8,10 @@ root state. At each further depth the ``top_k`` newest nodes with the highest jo
 probability (product of draft probabilities along the path) are expanded: one forward over
 them - a node attends to the committed draft-KV rows, its expanded ancestors and itself, at
 position ``num_committed_rows + depth - 1`` - and each gets its top-k children. Finally all
-nodes are reranked by joint probability and the best ``max_tokens`` kept (``TokenTree.prune``;
+nodes are reranked by joint probability and the best ``max_tokens`` kept (``DraftNodes.prune``;
 a child never outranks its parent, so the kept set is a tree). Candidates are a deterministic
-top-k set: ``DraftScheme.TOPK``.
+top-k set: ``DraftScheme.TOPK``. Every step is a few tensor ops over the whole batch: no
+Python loop runs per node, per mask row or per sequence until the nodes are read back.
 
 A subclass provides the draft KV cache, the hot vocabulary and its LM head, the rotary tables,
 ``_catch_up`` (committed tokens into the draft KV) and ``_node_forward`` (what one tree step
@@ -23,15 +24,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
 from lyanna.drafters.base import DraftBudget
 from lyanna.drafters.scopes import LAYER_SCOPE, LM_HEAD_SCOPE, SOFTMAX_SCOPE
 from lyanna.kv_cache import KVCache
-from lyanna.model.cpu_kernels import PackedLinear, prepacking_available
-from lyanna.tree import DraftScheme, TokenTree
+from lyanna.tree import DraftNodes, DraftScheme, TokenTree
 
 
 class RootedState(Protocol):
@@ -52,23 +51,6 @@ class TreeContext:
     cos: torch.Tensor  # [B, 1, q, hd]
     sin: torch.Tensor  # [B, 1, q, hd]
     mask: torch.Tensor  # [B, 1, q, kv_len] bool
-
-
-class Linear(nn.Module):
-    """A bias-free linear over fixed rows (fallback where oneDNN prepacking is unavailable)."""
-
-    def __init__(self, weight: torch.Tensor) -> None:  # weight [out, in]
-        super().__init__()
-        self.weight = weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
-
-
-def hot_lm_head(embedding: torch.Tensor, hot_vocab: torch.Tensor) -> nn.Module:
-    """The tied LM head restricted to the hot rows, prepacked on CPU."""
-    rows = embedding.detach()[hot_vocab].float().contiguous()  # [num_hot, d]
-    return PackedLinear(rows) if prepacking_available(rows) else Linear(rows)
 
 
 class DynamicTreeDrafter:
@@ -113,17 +95,19 @@ class DynamicTreeDrafter:
         depth: int,  # depth of the nodes run (>= 1)
         parent_states: torch.Tensor,  # [B, k, d] their parents' states
         tokens: torch.Tensor,  # [B, k] their tokens
-        ancestor_rows: list[list[list[int]]],  # [B][k] tree rows of strict ancestors
+        visible: torch.Tensor,  # [B, k, depth * k] bool: tree rows each node attends to
     ) -> torch.Tensor:  # [B, k, d]
+        """Run the nodes of one depth at tree rows ``lengths + (depth - 1) * k + j``; tree row
+        r (relative to the sequence's committed rows) holds the depth ``r // k + 1`` node run
+        from frontier entry ``r % k``; ``visible`` holds each node's ancestors and itself."""
         B, k = tokens.shape
+        width = depth * k
         rows = lengths[:, None] + (depth - 1) * k + torch.arange(k)  # [B, k]
-        kv_len = int(lengths.max()) + depth * k
-        self.cache.check_room(slots, depth * k)
-        cols = torch.arange(kv_len)
-        mask = (cols[None, None, :] < lengths[:, None, None]).expand(B, k, kv_len).clone()
-        for b in range(B):
-            for j in range(k):
-                mask[b, j, ancestor_rows[b][j] + [int(rows[b, j])]] = True
+        kv_len = int(lengths.max()) + width
+        self.cache.check_room(slots, width)
+        tree_row = torch.arange(kv_len) - lengths[:, None]  # [B, kv_len], < 0: committed
+        in_tree = visible.gather(2, tree_row.clamp(0, width - 1)[:, None].expand(B, k, kv_len))
+        mask = (tree_row < 0)[:, None] | (in_tree & (tree_row < width)[:, None])
         positions = (lengths + depth - 1)[:, None].expand(B, k)
         ctx = TreeContext(
             cache=self.cache,
@@ -148,59 +132,63 @@ class DynamicTreeDrafter:
         return top.values, self.hot_vocab[top.indices]
 
     def _grow(self, states: list[RootedState]) -> list[TokenTree]:
+        """Every sequence's tree has the same shape: the root, k children, then k * k nodes
+        per further depth (child j of frontier entry i at ``i * k + j`` of its block), so
+        the nodes are grown as [B, block] tensors and read back once."""
         budget = self.budget
         k = min(budget.top_k, self.hot_vocab.numel())
         B = len(states)
         slots = torch.tensor([s.slot for s in states])
         lengths = self.cache.lengths[slots].clone()
-        tokens = [[s.root] for s in states]
-        parents = [[-1] for _ in states]
-        logq = [[0.0] for _ in states]  # log draft probability of each node's token
         root_states = torch.stack([s.root_state for s in states])[:, None]  # [B, 1, d]
         child_logq, child_tokens = self._top_children(root_states, k)  # [B, 1, k]
+        tokens = [torch.tensor([[s.root] for s in states]), child_tokens[:, 0]]  # blocks
+        parents = [torch.full((B, 1), -1), torch.zeros(B, k, dtype=torch.int64)]
+        logq = [torch.zeros(B, 1), child_logq[:, 0]]  # log draft probability of each token
+        num_nodes = 1 + k
         joint = child_logq[:, 0]  # [B, k] joint log probability of the frontier
-        frontier = torch.zeros(B, k, dtype=torch.int64)  # node index of each frontier entry
-        for b in range(B):
-            for j in range(k):
-                frontier[b, j] = len(tokens[b])
-                tokens[b].append(int(child_tokens[b, 0, j]))
-                parents[b].append(0)
-                logq[b].append(float(child_logq[b, 0, j]))
+        frontier = torch.arange(1, k + 1).expand(B, k)  # node index of each frontier entry
         frontier_tokens = child_tokens[:, 0]  # [B, k]
         frontier_states = root_states.expand(B, k, -1)  # parents' states
-        ancestors = [[[] for _ in range(k)] for _ in range(B)]  # tree rows of strict ancestors
+        # tree rows (see _tree_forward) of each frontier entry's strict ancestors
+        ancestors = torch.zeros(B, k, (budget.depth - 1) * k, dtype=torch.bool)
+        own_row = torch.arange(k)
         for depth in range(1, budget.depth):
+            visible = ancestors.clone()
+            visible[:, own_row, (depth - 1) * k + own_row] = True
             out = self._tree_forward(
-                lengths, slots, depth, frontier_states, frontier_tokens, ancestors
+                lengths, slots, depth, frontier_states, frontier_tokens, visible[..., : depth * k]
             )
             child_logq, child_tokens = self._top_children(out, k)  # [B, k, k]
+            tokens.append(child_tokens.reshape(B, k * k))
+            parents.append(frontier.repeat_interleave(k, dim=1))
+            logq.append(child_logq.reshape(B, k * k))
             cand_joint = (joint[:, :, None] + child_logq).reshape(B, k * k)
             best = cand_joint.topk(k, dim=-1).indices  # [B, k] candidates expanded next
-            new_frontier = torch.zeros(B, k, dtype=torch.int64)
-            new_ancestors = []
-            for b in range(B):
-                base = len(tokens[b])
-                for i in range(k):
-                    for j in range(k):
-                        tokens[b].append(int(child_tokens[b, i, j]))
-                        parents[b].append(int(frontier[b, i]))
-                        logq[b].append(float(child_logq[b, i, j]))
-                row = int(lengths[b]) + (depth - 1) * k
-                new_ancestors.append(
-                    [ancestors[b][int(c) // k] + [row + int(c) // k] for c in best[b]]
-                )
-                new_frontier[b] = base + best[b]
             parent_slot = best // k  # [B, k] which frontier entry each new node came from
+            frontier = num_nodes + best
+            num_nodes += k * k
             frontier_states = out.gather(1, parent_slot[..., None].expand(-1, -1, out.shape[-1]))
-            frontier_tokens = child_tokens.reshape(B, k * k).gather(1, best)
+            frontier_tokens = tokens[-1].gather(1, best)
             joint = cand_joint.gather(1, best)
-            frontier, ancestors = new_frontier, new_ancestors
-        return [
-            TokenTree.from_parents(
-                tokens[b],
-                parents[b],
-                scheme=DraftScheme.TOPK,
-                draft_token_probs=torch.tensor(logq[b], dtype=torch.float64).exp(),
-            ).prune(budget.max_tokens)
-            for b in range(B)
-        ]
+            ancestors = visible.gather(1, parent_slot[..., None].expand(-1, -1, visible.shape[-1]))
+        return _trees(
+            torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(logq, 1), budget.max_tokens
+        )
+
+
+def _trees(
+    tokens: torch.Tensor,  # [B, n] int64
+    parents: torch.Tensor,  # [B, n] int64
+    logq: torch.Tensor,  # [B, n] float32 log draft probability of each node's token
+    budget: int,
+) -> list[TokenTree]:
+    """One pruned tree per row. Each row is exponentiated on its own, a 1-D float64 tensor
+    of n values as the per-node builder made it, so the probabilities stay bit-identical."""
+    logq = logq.double()
+    return [
+        DraftNodes(row_tokens, row_parents, logq[b].exp().tolist()).prune(budget).to_tree()
+        for b, (row_tokens, row_parents) in enumerate(
+            zip(tokens.tolist(), parents.tolist(), strict=True)
+        )
+    ]

@@ -20,8 +20,9 @@ import torch
 from torch.profiler import record_function
 
 from lyanna.drafters.base import DraftBudget, VerifiedStep
-from lyanna.drafters.dynamic_tree import DynamicTreeDrafter, TreeContext, hot_lm_head
+from lyanna.drafters.dynamic_tree import DynamicTreeDrafter, TreeContext
 from lyanna.drafters.eagle_head import DEFAULT_CHECKPOINT, EagleHead, load_eagle_head
+from lyanna.drafters.heads import hot_lm_head
 from lyanna.drafters.scopes import LAYER_SCOPE
 from lyanna.kv_cache import KVCache
 from lyanna.model.cpu_kernels import prepack_linears

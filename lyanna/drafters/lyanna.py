@@ -20,13 +20,14 @@ from torch.profiler import record_function
 
 from lyanna.drafters.base import DraftBudget, VerifiedStep
 from lyanna.drafters.checkpoint import read_checkpoint
+from lyanna.drafters.heads import hot_lm_head
 from lyanna.drafters.lyanna_model import LyannaDraftConfig, LyannaDraftModel
 from lyanna.drafters.scopes import LAYER_SCOPE, LM_HEAD_SCOPE
-from lyanna.drafters.token_info_tree import build_subtree, resample_subtree
+from lyanna.drafters.token_info_tree import build_subtrees, resample_subtree
 from lyanna.kv_cache import KVCache
 from lyanna.model.cpu_kernels import prepack_linears
 from lyanna.model.transformer import ForwardContext, Transformer
-from lyanna.tree import DraftScheme, TokenTree
+from lyanna.tree import DraftNodes, DraftScheme, TokenTree
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "lyanna-smollm2-135m"
 
@@ -45,7 +46,7 @@ class _SeqState:
     pending: torch.Tensor  # [m, n] fused inputs waiting for the draft KV
     next_position: int  # position of pending[0]
     chain_logits: torch.Tensor | None = None  # [N, num_hot] of the last fresh chain
-    resampled: TokenTree | None = None
+    resampled: DraftNodes | None = None
     resampled_paths: frozenset[tuple[int, ...]] = frozenset()  # token paths only it proposed
 
 
@@ -63,6 +64,8 @@ class LyannaDrafter:
         max_len: int = 4096,
     ) -> None:
         self.draft = draft.eval()
+        prepack_linears(draft)  # fc and the layer, once, in place: inference only from here
+        self.lm_head = hot_lm_head(draft.embedding, draft.hot_ids)  # not gathered per step
         self.budget = budget or DraftBudget()
         self.resample = resample or ResampleConfig()
         layer_config = replace(draft.config.target, num_layers=1)
@@ -81,7 +84,6 @@ class LyannaDrafter:
         state = {k: v.float() for k, v in state.items()}
         draft = LyannaDraftModel(config, target.embed_tokens.weight, state["hot_ids"].long())
         draft.load_state_dict(state, strict=True)
-        prepack_linears(draft.layer)
         return cls(target, draft, **kwargs)
 
     # -- Drafter protocol ------------------------------------------------------------------
@@ -125,27 +127,27 @@ class LyannaDrafter:
         if not self.resample.fusion:
             solo = [s.resampled is not None for s in states]
             fresh = [s for s, is_solo in zip(states, solo, strict=True) if not is_solo]
-            trees = iter(self._fresh_trees(fresh) if fresh else [])
+            fresh_nodes = iter(self._fresh_trees(fresh) if fresh else [])
             return [
-                self._take_resampled(s) if is_solo else next(trees)
+                self._take_resampled(s) if is_solo else next(fresh_nodes).to_tree()
                 for s, is_solo in zip(states, solo, strict=True)
             ]
-        trees = self._fresh_trees(states)
-        return [self._fuse(state, tree) for state, tree in zip(states, trees, strict=True)]
+        fresh_nodes = self._fresh_trees(states)
+        return [self._fuse(state, nodes) for state, nodes in zip(states, fresh_nodes, strict=True)]
 
     # -- internals -------------------------------------------------------------------------
 
     def _take_resampled(self, state: _SeqState) -> TokenTree:
-        tree = state.resampled.prune(self.budget.max_tokens)
-        state.resampled_paths = _token_paths(tree)
-        return tree
+        nodes = state.resampled.prune(self.budget.max_tokens)
+        state.resampled_paths = _token_paths(nodes)
+        return nodes.to_tree()
 
-    def _fuse(self, state: _SeqState, fresh: TokenTree) -> TokenTree:
+    def _fuse(self, state: _SeqState, fresh: DraftNodes) -> TokenTree:
         if state.resampled is None:
-            return fresh
+            return fresh.to_tree()
         merged = fresh.merge(state.resampled).prune(self.budget.max_tokens)
         state.resampled_paths = _token_paths(merged) - _token_paths(fresh)
-        return merged
+        return merged.to_tree()
 
     def _count_resampled(self, state: _SeqState, step: VerifiedStep) -> None:
         if state.resampled_paths:
@@ -155,24 +157,24 @@ class LyannaDrafter:
             )
 
     @torch.inference_mode()
-    def _fresh_trees(self, states: list[_SeqState]) -> list[TokenTree]:
+    def _fresh_trees(self, states: list[_SeqState]) -> list[DraftNodes]:
+        """Each sequence's fresh candidates, pruned to the budget (not yet a tree: fusion
+        may still merge the re-sampled subtree into them)."""
         with record_function(LAYER_SCOPE):
             chains = self._chains(states)  # [B, N, n]
         with record_function(LM_HEAD_SCOPE):
-            logits = self.draft.chain_logits(chains)  # [B, N, num_hot]: one GEMM
-        trees = []
+            logits = self.lm_head(chains)  # [B, N, num_hot]: one GEMM
         for state, chain_logits in zip(states, logits, strict=True):
             state.chain_logits = chain_logits
-            tree = build_subtree(
-                chain_logits,
-                state.root,
-                self.budget.top_k,
-                self.info_table,
-                self.draft.hot_ids,
-                self.draft.hot_index,
-            )
-            trees.append(tree.prune(self.budget.max_tokens))
-        return trees
+        fresh = build_subtrees(
+            logits,
+            [s.root for s in states],
+            self.budget.top_k,
+            self.info_table,
+            self.draft.hot_ids,
+            self.draft.hot_index,
+        )
+        return [nodes.prune(self.budget.max_tokens) for nodes in fresh]
 
     def _chains(self, states: list[_SeqState]) -> torch.Tensor:  # [B, N, n]
         """h1 from the pending context, then h2..hN from the chain alone."""
@@ -211,9 +213,6 @@ class LyannaDrafter:
         return torch.stack(chain, dim=1)
 
 
-def _token_paths(tree: TokenTree) -> frozenset[tuple[int, ...]]:
+def _token_paths(nodes: DraftNodes) -> frozenset[tuple[int, ...]]:
     """The token sequence from the root (exclusive) to every draft node."""
-    tokens = tree.tokens.tolist()
-    return frozenset(
-        tuple(tokens[i] for i in tree.path_to(node)[1:]) for node in range(1, tree.num_nodes)
-    )
+    return frozenset(nodes.token_paths()[1:])

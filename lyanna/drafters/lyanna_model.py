@@ -82,6 +82,8 @@ class LyannaDraftModel(nn.Module):
 
     @property
     def hot_head(self) -> torch.Tensor:  # [num_hot, n] rows of the tied LM head
+        """Gathered on every call, unpacked: for training and analysis only. The drafter
+        serves with a copy gathered and prepacked once (``heads.hot_lm_head``)."""
         return self.embedding[self.hot_ids]
 
     def fuse(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:

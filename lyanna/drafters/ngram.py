@@ -17,10 +17,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-import torch
-
 from lyanna.drafters.base import DraftBudget, VerifiedStep
-from lyanna.tree import DraftScheme, TokenTree
+from lyanna.tree import DraftNodes, DraftScheme, TokenTree
 
 MAX_MATCHES = 64  # most recent occurrences of the suffix that feed the trie
 
@@ -77,9 +75,9 @@ class NgramDrafter:
             return TokenTree.root_only(root)
         depth = self.budget.depth
         continuations = [tokens[p : p + depth] for p in starts[-MAX_MATCHES:]]
-        return self._trie(root, continuations).prune(self.budget.max_tokens)
+        return self._trie(root, continuations).prune(self.budget.max_tokens).to_tree()
 
-    def _trie(self, root: int, continuations: list[list[int]]) -> TokenTree:
+    def _trie(self, root: int, continuations: list[list[int]]) -> DraftNodes:
         """Trie of the continuations, top_k children per node by frequency."""
         node_tokens, parents, counts = [root], [-1], [len(continuations)]
         frontier = [(0, continuations)]
@@ -96,9 +94,4 @@ class NgramDrafter:
                 counts.append(len(rest))
                 frontier.append((len(node_tokens) - 1, rest))
         probs = [1.0] + [counts[i] / counts[parents[i]] for i in range(1, len(counts))]
-        return TokenTree.from_parents(
-            node_tokens,
-            parents,
-            scheme=DraftScheme.TOPK,
-            draft_token_probs=torch.tensor(probs, dtype=torch.float64),
-        )
+        return DraftNodes(node_tokens, parents, probs)

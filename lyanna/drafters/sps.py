@@ -25,7 +25,8 @@ from torch.profiler import record_function
 
 from lyanna.drafters.base import DraftBudget, VerifiedStep
 from lyanna.drafters.checkpoint import read_checkpoint
-from lyanna.drafters.dynamic_tree import DynamicTreeDrafter, TreeContext, hot_lm_head
+from lyanna.drafters.dynamic_tree import DynamicTreeDrafter, TreeContext
+from lyanna.drafters.heads import hot_lm_head
 from lyanna.drafters.scopes import LAYER_SCOPE
 from lyanna.kv_cache import KVCache
 from lyanna.model.cpu_kernels import prepack_linears
@@ -66,7 +67,6 @@ def build_student(
     student.load_state_dict(state, strict=False, assign=True)
     student.lm_head.weight = student.embed_tokens.weight
     student.rope_cos, student.rope_sin = rope_tables(config)
-    prepack_linears(student.layers)
     return student.eval()
 
 
@@ -100,6 +100,7 @@ class SpsDrafter(DynamicTreeDrafter):
         max_len: int = 4096,
     ) -> None:
         self.student = student
+        prepack_linears(student.layers)  # once, in place: the student serves inference only
         self.budget = budget or DraftBudget()
         self.hot_vocab = hot_vocab
         self.lm_head = hot_lm_head(student.embed_tokens.weight, hot_vocab)

@@ -4,9 +4,11 @@
 For each chain step i, every frontier node gets ``softmax(l_i + T[node token])`` over the hot
 vocabulary and proposes its top-k tokens as children (joint probability = parent joint x
 child probability); the k children with the highest joint probability form the next
-frontier. Every proposed child stays in the tree; the caller prunes it to the verification
-budget by joint probability. Children are chosen deterministically, so the tree is a
-``DraftScheme.TOPK`` candidate set (lossless with the deterministic-candidate rule).
+frontier. Every proposed child stays in the candidate nodes (``DraftNodes``: plain lists, a
+few tensor ops per step and none per node); the caller prunes them to the verification budget
+by joint probability and makes the one tree it proposes. Children are chosen
+deterministically, so the tree is a ``DraftScheme.TOPK`` candidate set (lossless with the
+deterministic-candidate rule).
 
 Worked example (k = 2, two steps): root "model" -> children "training" (0.6), "inference"
 (0.3); both are kept as frontier; step 2 gives "training" -> "server" (0.7 -> joint 0.42) and
@@ -20,48 +22,59 @@ import torch
 from torch.profiler import record_function
 
 from lyanna.drafters.scopes import SOFTMAX_SCOPE
-from lyanna.tree import DraftScheme, TokenTree
+from lyanna.tree import DraftNodes
+
+
+def build_subtrees(
+    logits: torch.Tensor,  # [B, steps, num_hot] raw chain logits (no token info yet)
+    root_tokens: list[int],  # [B]
+    top_k: int,
+    info_table: torch.Tensor | None,  # [num_hot, num_hot] collapsed token info, or None
+    hot_ids: torch.Tensor,  # [num_hot] full-vocabulary id of each hot column
+    hot_index: torch.Tensor,  # [vocab] hot row of each token, -1 if not hot
+) -> list[DraftNodes]:
+    """BuildSubtree of Algorithm 1 for B chains at once: trees of depth ``steps`` rooted at
+    ``root_tokens``. Every tree has the same shape (the root, then frontier x k nodes per
+    step), so a step is one batch of row-wise tensor ops (each row sees what it would see
+    alone: a tree never depends on the rest of the batch) and the nodes are read back once."""
+    B = logits.shape[0]
+    roots = torch.tensor(root_tokens, dtype=torch.int64)
+    tokens, parents, probs = [roots[:, None]], [torch.full((B, 1), -1)], [torch.ones(B, 1)]
+    num_nodes = 1
+    frontier = torch.zeros(B, 1, dtype=torch.int64)  # [B, f] node indices
+    frontier_log_joint = torch.zeros(B, 1, dtype=torch.float64)
+    frontier_hot = hot_index[roots][:, None]  # [B, f] hot rows of frontier tokens
+    for step in range(logits.shape[1]):
+        with record_function(SOFTMAX_SCOPE):
+            rows = logits[:, step, None].expand(-1, frontier.shape[1], -1).float()
+            if info_table is not None:  # no token info for a cold (non-hot) parent
+                info = info_table[frontier_hot.clamp(min=0)].float()
+                rows = torch.where((frontier_hot >= 0)[..., None], rows + info, rows)
+            probs_rows = torch.softmax(rows, dim=-1)
+        child_probs, child_cols = probs_rows.topk(top_k, dim=-1)  # [B, f, k]
+        log_joint = (frontier_log_joint[..., None] + child_probs.double().log()).flatten(1)
+        tokens.append(hot_ids[child_cols].flatten(1))
+        parents.append(frontier.repeat_interleave(top_k, dim=1))
+        probs.append(child_probs.flatten(1))
+        keep = log_joint.topk(min(top_k, log_joint.shape[1]), dim=-1).indices  # [B, f']
+        frontier = num_nodes + keep
+        num_nodes += log_joint.shape[1]
+        frontier_log_joint = log_joint.gather(1, keep)
+        frontier_hot = child_cols.flatten(1).gather(1, keep)
+    columns = (torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(probs, 1))
+    return [DraftNodes(*row) for row in zip(*(c.tolist() for c in columns), strict=True)]
 
 
 def build_subtree(
     logits: torch.Tensor,  # [steps, num_hot] raw chain logits (no token info yet)
     root_token: int,
     top_k: int,
-    info_table: torch.Tensor | None,  # [num_hot, num_hot] collapsed token info, or None
-    hot_ids: torch.Tensor,  # [num_hot] full-vocabulary id of each hot column
-    hot_index: torch.Tensor,  # [vocab] hot row of each token, -1 if not hot
-) -> TokenTree:
-    """BuildSubtree of Algorithm 1: a tree of depth ``len(logits)`` rooted at ``root_token``."""
-    tokens, parents, probs = [root_token], [-1], [1.0]
-    frontier = torch.tensor([0])  # node indices
-    frontier_log_joint = torch.zeros(1, dtype=torch.float64)
-    frontier_hot = hot_index[torch.tensor([root_token])]  # [f] hot rows of frontier tokens
-    for step in range(logits.shape[0]):
-        with record_function(SOFTMAX_SCOPE):
-            rows = logits[step].expand(frontier.numel(), -1).float()
-            if info_table is not None:
-                known = frontier_hot >= 0
-                if bool(known.any()):
-                    rows = rows.clone()
-                    rows[known] += info_table[frontier_hot[known]].float()
-            probs_rows = torch.softmax(rows, dim=-1)
-        child_probs, child_cols = probs_rows.topk(top_k, dim=-1)  # [f, k]
-        child_log_joint = frontier_log_joint[:, None] + child_probs.double().log()
-        first_new = len(tokens)
-        child_tokens = hot_ids[child_cols].flatten().tolist()
-        tokens += child_tokens
-        parents += frontier.repeat_interleave(top_k).tolist()
-        probs += child_probs.flatten().tolist()
-        keep = child_log_joint.flatten().topk(min(top_k, child_log_joint.numel())).indices
-        frontier = first_new + keep
-        frontier_log_joint = child_log_joint.flatten()[keep]
-        frontier_hot = child_cols.flatten()[keep]
-    return TokenTree.from_parents(
-        tokens,
-        parents,
-        scheme=DraftScheme.TOPK,
-        draft_token_probs=torch.tensor(probs, dtype=torch.float64),
-    )
+    info_table: torch.Tensor | None,
+    hot_ids: torch.Tensor,
+    hot_index: torch.Tensor,
+) -> DraftNodes:
+    """BuildSubtree of Algorithm 1 for one chain (``build_subtrees`` with B = 1)."""
+    return build_subtrees(logits[None], [root_token], top_k, info_table, hot_ids, hot_index)[0]
 
 
 def resample_subtree(
@@ -73,7 +86,7 @@ def resample_subtree(
     info_table: torch.Tensor | None,
     hot_ids: torch.Tensor,
     hot_index: torch.Tensor,
-) -> TokenTree | None:
+) -> DraftNodes | None:
     """Algorithm 2: the bonus token sits at depth m + 1 of the old chain, so the tokens after
     it are predicted by the remaining logits l(m+2..N) (rows m+1.. here), with the bonus
     token's token info on the first of them. None when fewer than r steps remain."""

@@ -49,13 +49,13 @@ def test_tree_sampling_matches_hand_worked_example() -> None:
     info[0] = torch.tensor([0.0, 0.0, 0.7, 0.2]).clamp_min(1e-9).log()
     info[1] = torch.tensor([0.0, 0.0, 0.1, 0.8]).clamp_min(1e-9).log()
     logits = torch.stack([step1, torch.zeros(4), torch.zeros(4)])
-    tree = build_subtree(logits[:2], 5, 2, info, hot_ids, hot_index)
+    tree = build_subtree(logits[:2], 5, 2, info, hot_ids, hot_index).to_tree()
     assert tree.tokens.tolist() == [5, 0, 1, 2, 3, 3, 2]
     assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 2, 2]
     joint = tree.log_joint.exp()
     assert math.isclose(joint[3], 0.6 * 0.7 / 0.9, rel_tol=1e-5)  # softmax renormalises .7/.9
     assert math.isclose(joint[5], 0.3 * 0.8 / 0.9, rel_tol=1e-5)
-    deeper = build_subtree(logits, 5, 2, info, hot_ids, hot_index)
+    deeper = build_subtree(logits, 5, 2, info, hot_ids, hot_index).to_tree()
     # step 3 expands only the two best depth-2 nodes (3 and 5), not 4 or 6
     assert sorted(set(deeper.parents[7:].tolist())) == [3, 5]
 
@@ -64,13 +64,13 @@ def test_resampled_subtree_uses_only_remaining_logits() -> None:
     hot_ids, hot_index = hot_maps()
     logits = torch.randn(5, 4)
     sub = resample_subtree(logits, 1, 3, 1, 2, None, hot_ids, hot_index)
-    assert int(sub.tokens[0]) == 3 and sub.max_depth == 3  # rows 2, 3, 4 remain
+    assert sub.tokens[0] == 3 and sub.to_tree().max_depth == 3  # rows 2, 3, 4 remain
     expected = build_subtree(logits[2:], 3, 2, None, hot_ids, hot_index)
-    assert torch.equal(sub.tokens, expected.tokens)
+    assert sub.tokens == expected.tokens
     changed = logits.clone()
     changed[:2] = torch.randn(2, 4)  # rows already used by the accepted path do not matter
     again = resample_subtree(changed, 1, 3, 1, 2, None, hot_ids, hot_index)
-    assert torch.equal(again.tokens, sub.tokens)
+    assert again.tokens == sub.tokens
     assert resample_subtree(logits, 3, 3, 2, 2, None, hot_ids, hot_index) is None  # 1 left < r
 
 
@@ -147,7 +147,7 @@ def test_fused_tree_holds_both_trees_within_budget() -> None:
     fused = drafter.propose([0])[0]
     assert fused.num_drafted <= 10
     fused_paths = {tuple(fused.tokens[fused.path_to(i)].tolist()) for i in range(fused.num_nodes)}
-    best_resampled = state.resampled.prune(2)  # its two most likely nodes must survive
+    best_resampled = state.resampled.prune(2).to_tree()  # its two most likely nodes survive
     for i in range(best_resampled.num_nodes):
         assert tuple(best_resampled.tokens[best_resampled.path_to(i)].tolist()) in fused_paths
 

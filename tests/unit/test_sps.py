@@ -85,13 +85,12 @@ def test_runtime_student_matches_training_forward() -> None:
     state = drafter._seqs[0]
     torch.testing.assert_close(state.root_state, reference[0, P - 1], atol=1e-4, rtol=1e-4)
     lengths, slots = drafter.cache.lengths[[state.slot]].clone(), torch.tensor([state.slot])
+    seen = torch.ones(1, 1, 2, dtype=torch.bool)  # tree rows: the depth-1 node, then its child
     with torch.inference_mode():
         depth1 = drafter._tree_forward(
-            lengths, slots, 1, state.root_state[None, None], tokens[:, P + 1 : P + 2], [[[]]]
+            lengths, slots, 1, state.root_state[None, None], tokens[:, P + 1 : P + 2], seen[..., :1]
         )
-        depth2 = drafter._tree_forward(
-            lengths, slots, 2, depth1, tokens[:, P + 2 : P + 3], [[[int(lengths[0])]]]
-        )
+        depth2 = drafter._tree_forward(lengths, slots, 2, depth1, tokens[:, P + 2 : P + 3], seen)
     torch.testing.assert_close(depth1[0, 0], reference[0, P], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(depth2[0, 0], reference[0, P + 1], atol=1e-4, rtol=1e-4)
 

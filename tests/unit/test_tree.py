@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from lyanna.tree import DraftScheme, TokenTree, pack_trees
+from lyanna.tree import DraftNodes, DraftScheme, TokenTree, pack_trees
 
 #        0
 #      /   \
@@ -210,6 +210,23 @@ def test_merge_deduplicates_siblings_and_keeps_larger_probability() -> None:
     assert iid.merge(TokenTree.root_only(0)).tokens.tolist() == [0, 3]
     with pytest.raises(ValueError, match="same root"):
         iid.merge(TokenTree.root_only(1))
+
+
+def test_draft_nodes_prune_merge_and_paths_as_the_tree_does() -> None:
+    probs = torch.tensor([1.0, 0.9, 0.1, 0.5, 0.5, 1.0, 0.5], dtype=torch.float64)
+    tree = deep_tree(draft_token_probs=probs)
+    nodes = DraftNodes.of(tree)
+    assert nodes.token_paths()[6] == (4, 1, 5) and nodes.token_paths()[0] == ()
+    pruned = nodes.prune(4)
+    assert pruned.tokens == tree.prune(4).tokens.tolist() == [9, 4, 1, 2, 5]
+    assert pruned.parents == [-1, 0, 1, 1, 2] and pruned.probs == [1.0, 0.9, 0.5, 0.5, 0.5]
+    assert nodes.prune(6) is nodes
+    other = DraftNodes([9, 7, 8], [-1, 0, 1], [1.0, 0.95, 0.5])
+    merged = pruned.merge(other).to_tree()
+    assert merged.tokens.tolist() == [9, 4, 1, 2, 5, 7, 8]
+    assert merged.draft_token_probs.tolist() == [1.0, 0.9, 0.5, 0.5, 0.5, 0.95, 0.5]
+    with pytest.raises(ValueError, match="same root"):
+        pruned.merge(DraftNodes([1], [-1]))
 
 
 def test_pack_trees_pads_with_self_attending_rows() -> None:
