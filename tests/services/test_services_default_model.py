@@ -26,7 +26,8 @@ def test_lyanna_services_equal_plain_greedy(default_model, default_tokenizer, de
         chat_prompt_ids(default_tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS
     ]
     expected = plain_greedy(default_model, prompts, MAX_TOKENS)
-    with launch(default_model_dir, "lyanna", verifier_args=("--max-len", "1024")) as deployment:
+    verifier_args = ("--max-len", "1024", "--weights", "fp32")  # the reference is fp32
+    with launch(default_model_dir, "lyanna", verifier_args=verifier_args) as deployment:
         config = RemoteConfig(deployment.verifier_addr, deployment.drafter_addr, method="lyanna")
         outcomes, backend = run_remote(config, prompts, SamplingParams(max_tokens=MAX_TOKENS))
         processes = [child.process for child in deployment.children.values()]
