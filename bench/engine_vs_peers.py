@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.common import load_questions, median_seconds, print_table
+from bench.forward_latency import forward_table
 from lyanna.decode import generate
 from lyanna.model import fetch_default_model, load_model
 from lyanna.model.default import gguf_path
@@ -25,7 +26,6 @@ from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence
 from lyanna.tokenizer import chat_prompt_ids, load_tokenizer
 
-CACHE_LEN = 256
 NEW_TOKENS = (1, 2, 4, 8, 16)
 
 
@@ -115,24 +115,6 @@ def llama_cpp_tally(
     return tally
 
 
-def forward_costs(model) -> dict[int, float]:
-    """Seconds for a forward (+ LM head on every row) over q new tokens after 256 cached."""
-    cache = model.new_cache(1, CACHE_LEN + max(NEW_TOKENS) + 1)
-    slot = torch.tensor([cache.allocate()])
-    gen = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, model.config.vocab_size, (1, CACHE_LEN), generator=gen)
-    model(prefix, torch.arange(CACHE_LEN)[None], cache, slot)
-    cache.commit(0, torch.arange(CACHE_LEN))
-    costs = {}
-    for q in NEW_TOKENS:
-        tokens = torch.randint(0, model.config.vocab_size, (1, q), generator=gen)
-        positions = (CACHE_LEN + torch.arange(q))[None]
-        costs[q] = median_seconds(
-            lambda t=tokens, p=positions: model.logits(model(t, p, cache, slot)), repeats=15
-        )
-    return costs
-
-
 def weight_bytes(model) -> int:
     """Bytes one decode step must read: every linear layer and the LM head (packed formats
     included), not the embedding (one row is gathered)."""
@@ -176,7 +158,7 @@ def main() -> None:
     for weights in ("fp32", "q4"):
         model = load_model(model_dir, weights=weights)
         rows.append(lean(model, prompts, args.max_tokens, eos).row(f"lyanna AR ({weights})"))
-        costs[weights] = forward_costs(model)
+        costs[weights] = forward_table(model, NEW_TOKENS)
         nbytes = weight_bytes(model)
         floors.append([weights, nbytes / 1e6, 1e3 * nbytes / rate, 1e3 * costs[weights][1]])
         del model

@@ -64,9 +64,34 @@ def test_hf_dir_matches_transformers(tiny_hf_dir: Path) -> None:
     assert (logits - expected).abs().max().item() < 1e-4
 
 
+def gguf_writer(path: Path, cfg, state: dict[str, torch.Tensor]):
+    """A llama GGUF writer with the config's metadata, the embedding and the final norm."""
+    import gguf
+
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(cfg.num_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"].numpy())
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"].numpy())
+    return writer
+
+
+def close_gguf(writer) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def test_gguf_round_trip(tmp_path: Path) -> None:
     """A GGUF written with llama.cpp's q/k row permutation loads back to the same model."""
-    import gguf
 
     model = make_tiny_model(5)
     cfg = model.config
@@ -81,18 +106,7 @@ def test_gguf_round_trip(tmp_path: Path) -> None:
             .numpy()
         )
 
-    writer = gguf.GGUFWriter(tmp_path / "tiny.gguf", "llama")
-    writer.add_block_count(cfg.num_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_heads)
-    writer.add_head_count_kv(cfg.num_kv_heads)
-    writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"].numpy())
-    writer.add_tensor("output_norm.weight", state["model.norm.weight"].numpy())
+    writer = gguf_writer(tmp_path / "tiny.gguf", cfg, state)
     names = {
         "attn_norm": "input_layernorm",
         "ffn_norm": "post_attention_layernorm",
@@ -113,10 +127,7 @@ def test_gguf_round_trip(tmp_path: Path) -> None:
             f"blk.{i}.attn_k.weight",
             permute(state[pre + "self_attn.k_proj.weight"], cfg.num_kv_heads),
         )
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close_gguf(writer)
 
     config, loaded = read_gguf(tmp_path / "tiny.gguf")
     assert config.num_kv_heads == cfg.num_kv_heads and config.tie_word_embeddings

@@ -13,7 +13,7 @@ from lyanna.model import CheckpointError, load_model
 from lyanna.model.loader import export_hf_dir, read_gguf, read_gguf_q4
 from lyanna.model.quant import GROUP, Int4Linear, Q4Blocks, parse_q4_blocks
 from tests.conftest import make_tiny_model
-from tests.unit.test_loader import hf_state_of
+from tests.unit.test_loader import close_gguf, gguf_writer, hf_state_of
 
 pytestmark = pytest.mark.skipif(
     not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"), reason="no int4 CPU kernel"
@@ -74,18 +74,7 @@ def _write_q4_gguf(path: Path, kind: str = "Q4_1") -> dict[str, torch.Tensor]:
         rows, cols = w.shape
         return w.reshape(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_block_count(cfg.num_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_heads)
-    writer.add_head_count_kv(cfg.num_kv_heads)
-    writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"].numpy())
-    writer.add_tensor("output_norm.weight", state["model.norm.weight"].numpy())
+    writer = gguf_writer(path, cfg, state)
     quantized = {
         "attn_q": ("self_attn.q_proj", cfg.num_heads),
         "attn_k": ("self_attn.k_proj", cfg.num_kv_heads),
@@ -107,10 +96,7 @@ def _write_q4_gguf(path: Path, kind: str = "Q4_1") -> dict[str, torch.Tensor]:
             stored = permute(w, heads) if heads else w
             raw = _quantize(stored.numpy(), kind)
             writer.add_tensor(f"blk.{i}.{short}.weight", raw, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close_gguf(writer)
     return state
 
 
