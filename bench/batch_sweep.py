@@ -13,9 +13,8 @@ import argparse
 import json
 from pathlib import Path
 
-from bench.common import add_run_args, print_table, set_threads
+from bench.common import add_run_args, budget_from_args, print_table, set_threads
 from bench.spec_bench import BenchSetup, run_methods
-from lyanna.drafters import DraftBudget
 from lyanna.sampling import SamplingParams
 
 
@@ -65,7 +64,7 @@ def main() -> None:
     args = parser.parse_args()
     set_threads(args.threads)
     setup = BenchSetup.load(per_category=args.limit_per_category, weights=args.weights)
-    budget = DraftBudget(args.depth, args.top_k, args.budget)
+    budget = budget_from_args(args, setup.model)
     params = SamplingParams(max_tokens=args.max_tokens)
     methods = args.methods.split(",")
     results: dict[int, dict[str, dict]] = {}

@@ -9,6 +9,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from lyanna.drafters import DraftBudget
+from lyanna.model.calibrate import verify_cost
+
 SPEC_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "eval" / "spec_bench.jsonl"
 
 
@@ -51,11 +54,24 @@ def add_run_args(parser: argparse.ArgumentParser, per_category: int, max_tokens:
     parser.add_argument("--max-tokens", type=int, default=max_tokens)
     parser.add_argument("--depth", type=int, default=5)
     parser.add_argument("--top-k", type=int, default=4)
-    parser.add_argument("--budget", type=int, default=16)
+    parser.add_argument("--budget", type=int, default=16, help="draft nodes per tree (a cap)")
+    parser.add_argument(
+        "--tree",
+        choices=("cost", "fixed"),
+        default="cost",
+        help="cost: keep the nodes that pay for their verification (the target's measured "
+        "cost curve); fixed: always --budget nodes",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     parser.add_argument(
         "--weights", choices=("auto", "fp32", "q4"), default="auto", help="target weights"
     )
+
+
+def budget_from_args(args: argparse.Namespace, model) -> DraftBudget:
+    """The tree budget of ``add_run_args``' flags (with the target's cost curve for --tree cost)."""
+    cost = verify_cost(model) if args.tree == "cost" else None
+    return DraftBudget(depth=args.depth, top_k=args.top_k, max_tokens=args.budget, cost=cost)
 
 
 def set_threads(threads: int) -> None:

@@ -16,7 +16,7 @@ import argparse
 
 from torch.profiler import ProfilerActivity, profile
 
-from bench.common import add_run_args, print_table, set_threads
+from bench.common import add_run_args, budget_from_args, print_table, set_threads
 from bench.spec_bench import BenchSetup
 from lyanna.drafters import DraftBudget, make_drafter
 from lyanna.drafters.scopes import LAYER_SCOPE, LM_HEAD_SCOPE, SOFTMAX_SCOPE
@@ -45,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     set_threads(args.threads)
     setup = BenchSetup.load(per_category=args.limit_per_category, weights=args.weights)
-    budget = DraftBudget(args.depth, args.top_k, args.budget)
+    budget = budget_from_args(args, setup.model)
     params = SamplingParams(max_tokens=args.max_tokens)
     rows = []
     for method in args.methods.split(","):

@@ -17,9 +17,8 @@ import argparse
 import json
 from pathlib import Path
 
-from bench.common import add_run_args, print_table, set_threads
+from bench.common import add_run_args, budget_from_args, print_table, set_threads
 from bench.spec_bench import BenchSetup, run_methods
-from lyanna.drafters import DraftBudget
 from lyanna.drafters.lyanna import LyannaDrafter
 from lyanna.sampling import SamplingParams
 
@@ -40,7 +39,7 @@ def main() -> None:
     set_threads(args.threads)
     checkpoints = dict(item.split("=", 1) for item in args.checkpoint)
     setup = BenchSetup.load(per_category=args.limit_per_category, weights=args.weights)
-    budget = DraftBudget(args.depth, args.top_k, args.budget)
+    budget = budget_from_args(args, setup.model)
 
     def factory(path: str, token_info: bool = True):
         def build() -> LyannaDrafter:

@@ -20,7 +20,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.common import SPEC_BENCH, add_run_args, load_questions, print_table, set_threads
+from bench.common import (
+    SPEC_BENCH,
+    add_run_args,
+    budget_from_args,
+    load_questions,
+    print_table,
+    set_threads,
+)
 from lyanna.drafters import DRAFTERS, DraftBudget, Drafter, make_drafter
 from lyanna.engine import EngineConfig, SpecEngine
 from lyanna.model import fetch_default_model, load_model
@@ -144,10 +151,10 @@ def run_methods(
     factories: Mapping[str, Callable[[], Drafter]] | None = None,
     reference: ArReference | None = None,
 ) -> dict[str, dict]:
-    """Every method over every prompt. AR runs first (speedups and mismatches are against
-    it) unless a filled ``reference`` from an earlier run with the same batch size is given;
-    an empty ``reference`` is filled. ``factories`` builds drafters the registry does not
-    name (e.g. ablation checkpoints)."""
+    """Every method over every prompt, the methods taking turns on each batch. AR runs
+    first on each (speedups and mismatches are against it) unless a filled ``reference``
+    from an earlier run with the same batch size is given; an empty ``reference`` is filled.
+    ``factories`` builds drafters the registry does not name (e.g. ablation checkpoints)."""
     factories = factories or {}
     reference = reference if reference is not None else ArReference()
     methods = [m for m in dict.fromkeys(methods) if m != "ar"]
@@ -162,43 +169,55 @@ def run_methods(
     groups = setup.prompts  # batches form within a category, unless one is too small to fill
     if any(len(prompts) < batch_size for prompts in groups.values()):
         groups = {MIXED: [p for prompts in setup.prompts.values() for p in prompts]}
-    results: dict[str, dict] = {}
+    engines = {}
     for method in methods:
-        if method in factories:
-            drafter = factories[method]()
-        else:
-            drafter = make_drafter(method, setup.model, budget)
-        factory = lambda d=drafter: SpecEngine(setup.model, d, config)  # noqa: E731
-        run_batch(factory, [warmup_prompt], SamplingParams(max_tokens=16), setup.eos)
-        overall, per_cat, mismatches = Tally(), {}, 0
-        for category, prompts in groups.items():
-            tally = Tally()
-            outputs: list[list[int]] = []
-            for i in range(0, len(prompts), batch_size):
-                part, outs = run_batch(factory, prompts[i : i + batch_size], params, setup.eos)
-                tally.add(part)
-                outputs += outs
-            if method == "ar":
-                ar_outputs[category], ar_tallies[category] = outputs, tally
-            elif params.greedy:
-                mismatches += sum(
-                    a != b for a, b in zip(outputs, ar_outputs[category], strict=True)
+        drafter = (
+            factories[method]()
+            if method in factories
+            else make_drafter(method, setup.model, budget)
+        )
+        engines[method] = lambda d=drafter: SpecEngine(setup.model, d, config)
+        run_batch(engines[method], [warmup_prompt], SamplingParams(max_tokens=16), setup.eos)
+    overall = {m: Tally() for m in methods}
+    per_cat: dict[str, dict] = {m: {} for m in methods}
+    mismatches = dict.fromkeys(methods, 0)
+    for category, prompts in groups.items():
+        tallies = {m: Tally() for m in methods}
+        outputs: dict[str, list[list[int]]] = {m: [] for m in methods}
+        for i in range(0, len(prompts), batch_size):
+            # the methods take turns on every batch, so a burst of load on a shared machine
+            # slows them alike and the ratios hold
+            for method in methods:
+                part, outs = run_batch(
+                    engines[method], prompts[i : i + batch_size], params, setup.eos
                 )
-            per_cat[category] = tally.summary(ar_tallies.get(category))
-            overall.add(tally)
+                tallies[method].add(part)
+                outputs[method] += outs
+        if "ar" in methods:
+            ar_outputs[category], ar_tallies[category] = outputs["ar"], tallies["ar"]
+        for method in methods:
+            tally = tallies[method]
+            if method != "ar" and params.greedy:
+                mismatches[method] += sum(
+                    a != b for a, b in zip(outputs[method], ar_outputs[category], strict=True)
+                )
+            per_cat[method][category] = tally.summary(ar_tallies.get(category))
+            overall[method].add(tally)
             if log:
                 print(
                     f"  {method:8s} {category:24s} {tally.tokens_per_s:6.2f} tok/s"
                     f"  tau {tally.stats.acceptance_length:.2f}",
                     flush=True,
                 )
-        ar_overall = Tally()
-        for t in ar_tallies.values():
-            ar_overall.add(t)
+    ar_overall = Tally()
+    for t in ar_tallies.values():
+        ar_overall.add(t)
+    results: dict[str, dict] = {}
+    for method in methods:
         results[method] = {
-            "overall": overall.summary(ar_overall),
-            "categories": per_cat,
-            "greedy_mismatches": mismatches if params.greedy else None,
+            "overall": overall[method].summary(ar_overall),
+            "categories": per_cat[method],
+            "greedy_mismatches": mismatches[method] if params.greedy else None,
         }
         results[method].update(results[method]["overall"])
     return results
@@ -253,7 +272,7 @@ def main() -> None:
     if args.methods_csv:
         methods += list(DRAFTERS) if args.methods_csv == "all" else args.methods_csv.split(",")
     setup = BenchSetup.load(args.questions, args.limit_per_category, args.weights)
-    budget = DraftBudget(depth=args.depth, top_k=args.top_k, max_tokens=args.budget)
+    budget = budget_from_args(args, setup.model)
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
     )
@@ -261,7 +280,7 @@ def main() -> None:
     print(
         f"\nSpec-Bench: {setup.num_prompts} prompts, batch {args.batch_size}, "
         f"T={args.temperature}, max {args.max_tokens} tokens, tree depth {args.depth} "
-        f"top-k {args.top_k} budget {args.budget}\n"
+        f"top-k {args.top_k} budget {args.budget} ({args.tree})\n"
     )
     print_results(results)
     categories = list(next(iter(results.values()))["categories"])

@@ -18,6 +18,7 @@ from, after the same temperature/top-p processing as the target (`lyanna.samplin
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -320,6 +321,16 @@ class DraftNodes:
             [-1] + [new_index[self.parents[i]] for i in keep[1:]],
             None if self.probs is None else [self.probs[i] for i in keep],
         )
+
+    def ranked_gains(self) -> list[float] | None:
+        """Joint draft probability of each draft node, in the order `prune` keeps them (best
+        first): the expected accepted tokens each adds (EAGLE-2's estimate); None without
+        probabilities."""
+        if self.probs is None:
+            return None
+        log_joint = _log_joint(self.parents, torch.tensor(self.probs, dtype=torch.float64))
+        order = sorted(range(1, len(self.parents)), key=lambda i: (-log_joint[i], i))
+        return [math.exp(log_joint[i]) for i in order]
 
     def merge(self, other: DraftNodes) -> DraftNodes:
         """Trie union, as documented on `TokenTree.merge` (which calls this)."""

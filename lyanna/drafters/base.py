@@ -14,7 +14,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from lyanna.tree import DraftScheme, TokenTree
+from lyanna.tree import DraftNodes, DraftScheme, TokenTree
+from lyanna.tree_cost import VerifyCost
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,10 +25,24 @@ class DraftBudget:
     depth: int = 5  # maximum draft depth
     top_k: int = 4  # children per expanded node
     max_tokens: int = 16  # verification budget B: draft nodes per sequence per step
+    # the target's forward cost by rows: when set, each step keeps only the nodes that pay
+    # for their verification (at most max_tokens); None = always max_tokens (EAGLE-2)
+    cost: VerifyCost | None = None
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.top_k < 1 or self.max_tokens < 1:
             raise ValueError("depth, top_k and max_tokens must be >= 1")
+
+    def prune(self, nodes: list[DraftNodes], draft_seconds: float = 0.0) -> list[DraftNodes]:
+        """Cut a step's trees to one width: ``max_tokens``, or with a cost curve the width
+        whose expected tokens per second is highest given ``draft_seconds`` already spent
+        drafting them (``VerifyCost.best_width``)."""
+        width = self.max_tokens
+        if self.cost is not None and nodes:
+            gains = [n.ranked_gains() for n in nodes]
+            if all(g is not None for g in gains):
+                width = self.cost.best_width(gains, width, draft_seconds)  # type: ignore[arg-type]
+        return [n.prune(width) for n in nodes]
 
 
 @dataclass(frozen=True, slots=True, eq=False)

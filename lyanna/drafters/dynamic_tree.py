@@ -8,8 +8,9 @@ root state. At each further depth the ``top_k`` newest nodes with the highest jo
 probability (product of draft probabilities along the path) are expanded: one forward over
 them - a node attends to the committed draft-KV rows, its expanded ancestors and itself, at
 position ``num_committed_rows + depth - 1`` - and each gets its top-k children. Finally all
-nodes are reranked by joint probability and the best ``max_tokens`` kept (``DraftNodes.prune``;
-a child never outranks its parent, so the kept set is a tree). Candidates are a deterministic
+nodes are reranked by joint probability and the best ``max_tokens`` kept, or as many as pay
+for their verification when the budget has a cost curve (``DraftBudget.prune``; a child never
+outranks its parent, so the kept set is a tree). Candidates are a deterministic
 top-k set: ``DraftScheme.TOPK``. Every step is a few tensor ops over the whole batch: no
 Python loop runs per node, per mask row or per sequence until the nodes are read back.
 
@@ -20,6 +21,7 @@ computes); its per-sequence states (``_seqs``) follow ``RootedState``.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -62,14 +64,17 @@ class DynamicTreeDrafter:
     rope_cos: torch.Tensor  # [max_positions, hd]
     rope_sin: torch.Tensor
     _seqs: dict[int, RootedState]
+    _depth_seconds: float | None = None  # how long the last draft depth took
 
     @torch.inference_mode()
     def propose(self, seq_ids: list[int]) -> list[TokenTree]:
+        start = time.perf_counter()
         states = [self._seqs[s] for s in seq_ids]
         behind = [s for s in states if s.pending_tokens]
         if behind:
             self._catch_up(behind)
-        return self._grow(states)
+        nodes = self._grow(states, start)
+        return [n.to_tree() for n in self.budget.prune(nodes, time.perf_counter() - start)]
 
     def release(self, seq_id: int) -> None:
         state = self._seqs.pop(seq_id, None)
@@ -131,10 +136,12 @@ class DynamicTreeDrafter:
         top = log_probs.topk(k, dim=-1)
         return top.values, self.hot_vocab[top.indices]
 
-    def _grow(self, states: list[RootedState]) -> list[TokenTree]:
+    def _grow(self, states: list[RootedState], start: float) -> list[DraftNodes]:
         """Every sequence's tree has the same shape: the root, k children, then k * k nodes
         per further depth (child j of frontier entry i at ``i * k + j`` of its block), so
-        the nodes are grown as [B, block] tensors and read back once."""
+        the nodes are grown as [B, block] tensors and read back once. With a cost curve,
+        growth stops at the first depth that cannot raise the step's expected rate
+        (``VerifyCost.worth_drafting_deeper``; ``start``: when this step began drafting)."""
         budget = self.budget
         k = min(budget.top_k, self.hot_vocab.numel())
         B = len(states)
@@ -153,7 +160,11 @@ class DynamicTreeDrafter:
         # tree rows (see _tree_forward) of each frontier entry's strict ancestors
         ancestors = torch.zeros(B, k, (budget.depth - 1) * k, dtype=torch.bool)
         own_row = torch.arange(k)
+        joints = [joint]  # log joint probability of every drafted node, block by block
         for depth in range(1, budget.depth):
+            if not self._worth_deeper(joints, joint, start):
+                break
+            depth_start = time.perf_counter()
             visible = ancestors.clone()
             visible[:, own_row, (depth - 1) * k + own_row] = True
             out = self._tree_forward(
@@ -172,22 +183,40 @@ class DynamicTreeDrafter:
             frontier_tokens = tokens[-1].gather(1, best)
             joint = cand_joint.gather(1, best)
             ancestors = visible.gather(1, parent_slot[..., None].expand(-1, -1, visible.shape[-1]))
-        return _trees(
-            torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(logq, 1), budget.max_tokens
+            joints.append(cand_joint)
+            self._depth_seconds = time.perf_counter() - depth_start
+        return _nodes(torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(logq, 1))
+
+    def _worth_deeper(
+        self, joints: list[torch.Tensor], frontier: torch.Tensor, start: float
+    ) -> bool:
+        """Another depth, unless the cost curve says it cannot pay (always without one, and
+        until one depth has been timed)."""
+        cost, depth_seconds = self.budget.cost, self._depth_seconds
+        if cost is None or depth_seconds is None:
+            return True
+        cap = self.budget.max_tokens
+        gains = torch.cat(joints, 1).exp().sort(dim=1, descending=True).values[:, :cap]
+        return cost.worth_drafting_deeper(
+            gains.tolist(),
+            float(frontier.exp().sum()),
+            cap,
+            time.perf_counter() - start,
+            depth_seconds,
         )
 
 
-def _trees(
+def _nodes(
     tokens: torch.Tensor,  # [B, n] int64
     parents: torch.Tensor,  # [B, n] int64
     logq: torch.Tensor,  # [B, n] float32 log draft probability of each node's token
-    budget: int,
-) -> list[TokenTree]:
-    """One pruned tree per row. Each row is exponentiated on its own, a 1-D float64 tensor
-    of n values as the per-node builder made it, so the probabilities stay bit-identical."""
+) -> list[DraftNodes]:
+    """One candidate set per row, not yet pruned. Each row is exponentiated on its own, a
+    1-D float64 tensor of n values as the per-node builder made it, so the probabilities
+    stay bit-identical."""
     logq = logq.double()
     return [
-        DraftNodes(row_tokens, row_parents, logq[b].exp().tolist()).prune(budget).to_tree()
+        DraftNodes(row_tokens, row_parents, logq[b].exp().tolist())
         for b, (row_tokens, row_parents) in enumerate(
             zip(tokens.tolist(), parents.tolist(), strict=True)
         )

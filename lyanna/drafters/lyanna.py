@@ -12,6 +12,7 @@ token (no new forward) and the subtree is either merged into the next verificati
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -123,31 +124,31 @@ class LyannaDrafter:
             self.cache.release(state.slot)
 
     def propose(self, seq_ids: list[int]) -> list[TokenTree]:
+        start = time.perf_counter()
         states = [self.seqs[s] for s in seq_ids]
-        if not self.resample.fusion:
-            solo = [s.resampled is not None for s in states]
-            fresh = [s for s, is_solo in zip(states, solo, strict=True) if not is_solo]
-            fresh_nodes = iter(self._fresh_trees(fresh) if fresh else [])
-            return [
-                self._take_resampled(s) if is_solo else next(fresh_nodes).to_tree()
-                for s, is_solo in zip(states, solo, strict=True)
+        if self.resample.fusion:
+            fresh = self._fresh_trees(states)
+            candidates = [
+                nodes if s.resampled is None else nodes.merge(s.resampled)
+                for s, nodes in zip(states, fresh, strict=True)
             ]
-        fresh_nodes = self._fresh_trees(states)
-        return [self._fuse(state, nodes) for state, nodes in zip(states, fresh_nodes, strict=True)]
+        else:  # a re-sampled subtree is verified alone, in the step after its rejection
+            drafting = [s for s in states if s.resampled is None]
+            new = iter(self._fresh_trees(drafting) if drafting else [])
+            fresh = [None if s.resampled is not None else next(new) for s in states]
+            candidates = [
+                s.resampled if f is None else f for s, f in zip(states, fresh, strict=True)
+            ]
+        # fused re-sampled nodes compete with fresh ones for the same verification budget
+        trees = self.budget.prune(candidates, time.perf_counter() - start)
+        for state, kept, own in zip(states, trees, fresh, strict=True):
+            if state.resampled is not None:
+                state.resampled_paths = _token_paths(kept) - (
+                    _token_paths(own) if own is not None else frozenset()
+                )
+        return [nodes.to_tree() for nodes in trees]
 
     # -- internals -------------------------------------------------------------------------
-
-    def _take_resampled(self, state: _SeqState) -> TokenTree:
-        nodes = state.resampled.prune(self.budget.max_tokens)
-        state.resampled_paths = _token_paths(nodes)
-        return nodes.to_tree()
-
-    def _fuse(self, state: _SeqState, fresh: DraftNodes) -> TokenTree:
-        if state.resampled is None:
-            return fresh.to_tree()
-        merged = fresh.merge(state.resampled).prune(self.budget.max_tokens)
-        state.resampled_paths = _token_paths(merged) - _token_paths(fresh)
-        return merged.to_tree()
 
     def _count_resampled(self, state: _SeqState, step: VerifiedStep) -> None:
         if state.resampled_paths:
@@ -174,7 +175,7 @@ class LyannaDrafter:
             self.draft.hot_ids,
             self.draft.hot_index,
         )
-        return [nodes.prune(self.budget.max_tokens) for nodes in fresh]
+        return [nodes.prune(self.budget.max_tokens) for nodes in fresh]  # the cap
 
     def _chains(self, states: list[_SeqState]) -> torch.Tensor:  # [B, N, n]
         """h1 from the pending context, then h2..hN from the chain alone."""

@@ -52,7 +52,8 @@ class NgramDrafter:
         self._seqs.pop(seq_id, None)
 
     def propose(self, seq_ids: list[int]) -> list[TokenTree]:
-        return [self._propose_one(self._seqs[s]) for s in seq_ids]
+        nodes = [self._candidates(self._seqs[s]) for s in seq_ids]
+        return [n.to_tree() for n in self.budget.prune(nodes)]
 
     def _extend(self, history: _History, new_tokens: list[int]) -> None:
         tokens = history.tokens
@@ -62,7 +63,7 @@ class NgramDrafter:
             for n in range(1, min(self.max_n, end) + 1):
                 history.index[tuple(tokens[end - n :])].append(end)
 
-    def _propose_one(self, history: _History) -> TokenTree:
+    def _candidates(self, history: _History) -> DraftNodes:
         tokens = history.tokens
         root = tokens[-1]
         end = len(tokens)
@@ -72,10 +73,10 @@ class NgramDrafter:
             if starts:
                 break
         if not starts:
-            return TokenTree.root_only(root)
+            return DraftNodes([root], [-1], [1.0])
         depth = self.budget.depth
         continuations = [tokens[p : p + depth] for p in starts[-MAX_MATCHES:]]
-        return self._trie(root, continuations).prune(self.budget.max_tokens).to_tree()
+        return self._trie(root, continuations)
 
     def _trie(self, root: int, continuations: list[list[int]]) -> DraftNodes:
         """Trie of the continuations, top_k children per node by frequency."""

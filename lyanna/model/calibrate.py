@@ -1,4 +1,5 @@
-"""Pick the weight format that is faster on this machine, measured once and cached.
+"""Machine-specific measurements, taken once and cached: which weight format is faster, and
+what a target forward costs by the number of rows it verifies.
 
 Which kernel wins depends on the CPU (the int4 kernel's fast path needs AVX-512; oneDNN's fp32
 products run near bandwidth on some machines and at half of it on others), so ``auto`` times
@@ -20,8 +21,12 @@ import torch
 from lyanna.model.config import ModelConfig
 from lyanna.model.cpu_kernels import PackedLinear, prepacking_available
 from lyanna.model.quant import GROUP, BF16Linear, Int4Linear, Q4Blocks, int4_kernel_available
+from lyanna.model.transformer import Transformer
+from lyanna.tree_cost import VerifyCost
 
 ROWS = (1, 4)
+COST_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # verification forwards timed for the cost curve
+COST_CONTEXT = 256  # cached rows behind them
 
 
 def _cpu_name() -> str:
@@ -95,6 +100,72 @@ def choose_weights(config: ModelConfig) -> str:
     """``q4`` when its products are faster for both 1 and 4 new rows, else ``fp32``."""
     if not int4_kernel_available() or not prepacking_available(torch.zeros(1)):
         return "fp32"
+
+    def decide() -> dict:
+        timing = measure(config)
+        q4_wins = all(timing["q4"][r] < timing["fp32"][r] for r in ROWS)
+        return {
+            "choice": "q4" if q4_wins else "fp32",
+            "ms": {f: {str(r): round(s * 1e3, 2) for r, s in t.items()} for f, t in timing.items()},
+        }
+
+    return _cached(_key(config), "weights", decide)["choice"]
+
+
+def forward_seconds(
+    model: Transformer, rows: tuple[int, ...], context: int = COST_CONTEXT, repeats: int = 7
+) -> dict[int, float]:
+    """Median seconds of a verification forward (+ LM head on every row) over each number
+    of new rows, behind ``context`` cached ones (nothing is committed). The row counts take
+    turns within each repeat, so a burst of load on a shared machine hits them alike."""
+    device = model.embed_tokens.weight.device
+    cache = model.new_cache(1, context + max(rows) + 1)
+    slot = torch.tensor([cache.allocate()], device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    model(
+        torch.randint(0, vocab, (1, context), generator=gen).to(device),
+        torch.arange(context)[None].to(device),
+        cache,
+        slot,
+    )
+    cache.commit(0, torch.arange(context))
+    inputs = {
+        r: (
+            torch.randint(0, vocab, (1, r), generator=gen).to(device),
+            (context + torch.arange(r))[None].to(device),
+        )
+        for r in rows
+    }
+    times: dict[int, list[float]] = {r: [] for r in rows}
+    for i in range(repeats + 2):  # two warm-up rounds; row counts take turns (see measure)
+        for r, (tokens, positions) in inputs.items():
+            start = time.perf_counter()
+            model.logits(model(tokens, positions, cache, slot))
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= 2:
+                times[r].append(time.perf_counter() - start)
+    return {r: sorted(ts)[len(ts) // 2] for r, ts in times.items()}
+
+
+def verify_cost(model: Transformer) -> VerifyCost:
+    """The target's forward cost by rows (``COST_ROWS``), measured once per machine, thread
+    count, model shape and weight format, then read from the cache."""
+    weights = "q4" if any(isinstance(m, Int4Linear) for m in model.modules()) else "dense"
+    device = model.embed_tokens.weight.device
+    kind = f"verify_cost|{weights}|{model.dtype}|{device.type}"
+
+    def measure_curve() -> dict:
+        seconds = forward_seconds(model, COST_ROWS)
+        return {"ms": {str(r): round(s * 1e3, 3) for r, s in seconds.items()}}
+
+    entry = _cached(_key(model.config), kind, measure_curve)
+    return VerifyCost.from_measurements({int(r): ms / 1e3 for r, ms in entry["ms"].items()})
+
+
+def _cached(key: str, kind: str, compute: Callable[[], dict]) -> dict:
+    """``compute()`` once per (machine key, kind); later calls read $LYANNA_CACHE."""
     from lyanna.model.default import cache_root
 
     path = cache_root() / "calibration.json"
@@ -102,16 +173,10 @@ def choose_weights(config: ModelConfig) -> str:
         cached = json.loads(path.read_text())
     except (OSError, ValueError):
         cached = {}
-    key = _key(config)
-    entry = cached.get(key, {}).get("weights")
+    entry = cached.get(key, {}).get(kind)
     if entry is None:
-        timing = measure(config)
-        q4_wins = all(timing["q4"][r] < timing["fp32"][r] for r in ROWS)
-        entry = {
-            "choice": "q4" if q4_wins else "fp32",
-            "ms": {f: {str(r): round(s * 1e3, 2) for r, s in t.items()} for f, t in timing.items()},
-        }
-        cached.setdefault(key, {})["weights"] = entry
+        entry = compute()
+        cached.setdefault(key, {})[kind] = entry
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(cached, indent=2))
-    return entry["choice"]
+    return entry

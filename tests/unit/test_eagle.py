@@ -14,9 +14,15 @@ from lyanna.drafters.eagle_head import EagleConfig, EagleHead
 from lyanna.engine import EngineConfig, SpecEngine
 from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence
+from lyanna.tree_cost import VerifyCost
 from tests.conftest import make_tiny_model
 
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 8, 5, 6, 7], [9], [4, 4, 4, 4, 4, 4]]
+
+
+# a synthetic cost curve (seconds by forward rows) with cheap early rows and dear late ones:
+# cost-aware trees change size from step to step and must stay lossless
+COST = VerifyCost((1, 2, 4, 8, 16, 32), (1.0, 1.02, 1.1, 1.3, 1.9, 3.0))
 
 
 def random_head(model, seed: int = 0, hot: int | None = None) -> EagleHead:
@@ -37,7 +43,9 @@ def run_engine(model, drafter, prompts, max_batch: int, max_tokens: int = 24):
 
 
 @pytest.mark.parametrize("max_batch", [1, 3])
-@pytest.mark.parametrize("budget", [DraftBudget(3, 2, 5), DraftBudget(5, 4, 16)])
+@pytest.mark.parametrize(
+    "budget", [DraftBudget(3, 2, 5), DraftBudget(5, 4, 16), DraftBudget(5, 4, 16, cost=COST)]
+)
 def test_greedy_equals_plain_decoding(max_batch: int, budget: DraftBudget) -> None:
     model = make_tiny_model(2, vocab_size=16)
     drafter = EagleDrafter(model, random_head(model), budget, max_sequences=max_batch, max_len=256)

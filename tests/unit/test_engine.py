@@ -11,6 +11,7 @@ from lyanna.drafters.ngram import NgramDrafter
 from lyanna.engine import EngineConfig, SpecEngine
 from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence
+from lyanna.tree_cost import VerifyCost
 from tests.conftest import make_tiny_model
 
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 8, 5, 6, 7], [9], [4, 4, 4, 4, 4, 4]]
@@ -23,12 +24,13 @@ def plain_greedy(model, prompts, max_tokens=24):
 
 
 @pytest.mark.parametrize("max_batch", [1, 3])
-@pytest.mark.parametrize("drafter_name", ["ar", "ngram"])
+@pytest.mark.parametrize("drafter_name", ["ar", "ngram", "ngram-cost-aware"])
 def test_greedy_equals_plain_decoding(drafter_name: str, max_batch: int) -> None:
     model = make_tiny_model(2, vocab_size=16)  # small vocab: repetitive output, n-gram hits
+    cost = VerifyCost((1, 4, 8), (1.0, 1.2, 1.6)) if drafter_name.endswith("cost-aware") else None
     drafter = (
-        NgramDrafter(DraftBudget(depth=4, top_k=2, max_tokens=6))
-        if drafter_name == "ngram"
+        NgramDrafter(DraftBudget(depth=4, top_k=2, max_tokens=6, cost=cost))
+        if drafter_name.startswith("ngram")
         else None
     )
     engine = SpecEngine(model, drafter, EngineConfig(max_batch=max_batch, max_len=128))
@@ -40,7 +42,7 @@ def test_greedy_equals_plain_decoding(drafter_name: str, max_batch: int) -> None
     assert not engine.running and engine.cache.num_free_slots == max_batch
     # the first token of each sequence comes from prefill, the rest from verifications
     assert stats.num_emitted + len(seqs) >= sum(len(s.output_ids) for s in seqs)
-    if drafter_name == "ngram":
+    if drafter_name.startswith("ngram"):
         assert stats.num_accepted > 0  # repetitive tiny-vocab output: the n-gram trie must hit
         assert stats.acceptance_length > 1.0
     else:

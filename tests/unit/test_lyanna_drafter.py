@@ -17,6 +17,7 @@ from lyanna.drafters.token_info_tree import build_subtree, resample_subtree
 from lyanna.engine import EngineConfig, SpecEngine
 from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence
+from lyanna.tree_cost import VerifyCost
 from tests.conftest import make_tiny_model
 
 VOCAB = 16
@@ -98,13 +99,15 @@ def engine_outputs(target, drafter, prompts, max_tokens=20):
 PROMPTS = [[1, 2, 3, 4], [7, 8, 9, 7, 8, 9, 7], [3]]
 
 
+@pytest.mark.parametrize("cost_aware", [False, True])
 @pytest.mark.parametrize("fusion", [True, False])
-def test_greedy_output_equals_plain_decoding(fusion: bool) -> None:
+def test_greedy_output_equals_plain_decoding(fusion: bool, cost_aware: bool) -> None:
     target = make_tiny_model(4, vocab_size=VOCAB)
+    cost = VerifyCost((1, 2, 4, 8, 16), (1.0, 1.02, 1.1, 1.3, 1.9)) if cost_aware else None
     drafter = LyannaDrafter(
         target,
         tiny_draft(target),
-        DraftBudget(depth=3, top_k=3, max_tokens=8),
+        DraftBudget(depth=3, top_k=3, max_tokens=8, cost=cost),
         ResampleConfig(enabled=True, fusion=fusion),
         max_seqs=2,
         max_len=128,

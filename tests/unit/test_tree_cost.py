@@ -1,0 +1,145 @@
+"""Cost-aware tree size: the cost curve, the width that pays, and pruning to it."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from lyanna.drafters.base import DraftBudget
+from lyanna.tree import DraftNodes
+from lyanna.tree_cost import VerifyCost
+
+
+def linear_curve(first: float, per_row: float, rows=(1, 2, 4, 8, 16, 32)) -> VerifyCost:
+    return VerifyCost(tuple(rows), tuple(first + per_row * (r - 1) for r in rows))
+
+
+def test_curve_interpolates_between_and_extends_beyond_measurements() -> None:
+    cost = VerifyCost((1, 2, 4), (10.0, 12.0, 20.0))
+    assert cost.forward_seconds(1) == 10.0
+    assert cost.forward_seconds(3) == pytest.approx(16.0)  # halfway between 12 and 20
+    assert cost.forward_seconds(6) == pytest.approx(28.0)  # the last slope, 4 per row
+    with pytest.raises(ValueError):
+        cost.forward_seconds(0)
+
+
+def test_noisy_measurements_never_make_more_rows_cheaper() -> None:
+    cost = VerifyCost.from_measurements({4: 0.012, 1: 0.010, 2: 0.009, 8: 0.011})
+    assert cost.rows == (1, 2, 4, 8)
+    assert cost.seconds == (0.010, 0.010, 0.012, 0.012)
+
+
+@pytest.mark.parametrize(
+    "rows, seconds",
+    [((), ()), ((2, 4), (1.0, 2.0)), ((1, 1), (1.0, 1.0)), ((1, 2), (1.0, 0.5)), ((1,), (0.0,))],
+)
+def test_malformed_curves_are_refused(rows, seconds) -> None:
+    with pytest.raises(ValueError):
+        VerifyCost(rows, seconds)
+
+
+def test_width_is_worked_out_by_hand() -> None:
+    # T(r) = 0.75 + 0.25 r: the first row costs 1, each further row a quarter of that.
+    # tokens per second for w = 0..3: 1/1, 1.9/1.25 = 1.52, 2.4/1.5 = 1.6, 2.7/1.75 = 1.54
+    cost = linear_curve(1.0, 0.25)
+    assert cost.best_width([[0.9, 0.5, 0.3, 0.2, 0.05]], max_width=5) == 2
+    assert cost.best_width([[0.9, 0.5, 0.3, 0.2, 0.05]], max_width=1) == 1  # the cap holds
+    # draft time already spent favours a larger tree: with 1.0 s of drafting,
+    # w = 3 gives 2.7 / 2.75 = 0.982 > w = 2: 2.4 / 2.5 = 0.96 > w = 4: 2.9 / 3.0 = 0.967
+    assert cost.best_width([[0.9, 0.5, 0.3, 0.2, 0.05]], 5, draft_seconds=1.0) == 3
+
+
+def test_free_rows_keep_every_node_and_dear_rows_keep_none() -> None:
+    gains = [[0.9, 0.8, 0.1, 0.01]]
+    assert VerifyCost((1, 32), (1.0, 1.0)).best_width(gains, max_width=4) == 4
+    # each row costs a whole decode step: a node pays only if it is accepted for sure
+    assert linear_curve(1.0, 1.0).best_width(gains, max_width=4) == 0
+
+
+def test_a_batch_shares_one_width_over_padded_rows() -> None:
+    # two trees, T(r) = r / 4 + 0.75 (r rows in the padded batch forward: 2 * (w + 1))
+    # w = 0: 2 / 1.25 = 1.6; w = 1: (2 + 0.9 + 0.1) / 1.75 = 1.714; w = 2: 3.8 / 2.25 = 1.689
+    cost = linear_curve(1.0, 0.25)
+    assert cost.best_width([[0.9, 0.8, 0.7], [0.1]], max_width=3) == 1
+    assert cost.best_width([], max_width=3) == 0
+
+
+def random_nodes(rng: random.Random, n: int) -> DraftNodes:
+    parents = [-1] + [rng.randrange(i) for i in range(1, n)]
+    probs = [1.0] + [rng.uniform(0.01, 1.0) for _ in range(1, n)]
+    return DraftNodes([rng.randrange(50) for _ in range(n)], parents, probs)
+
+
+def joint(nodes: DraftNodes, i: int) -> float:
+    p = 1.0
+    while i > 0:
+        p *= nodes.probs[i]
+        i = nodes.parents[i]
+    return p
+
+
+def test_ranked_gains_are_the_joint_probabilities_prune_keeps_first() -> None:
+    rng = random.Random(0)
+    for _ in range(50):
+        nodes = random_nodes(rng, rng.randrange(1, 20))
+        gains = nodes.ranked_gains()
+        assert gains == sorted(gains, reverse=True)
+        assert len(gains) == nodes.num_drafted
+        for width in range(nodes.num_drafted + 1):
+            kept = nodes.prune(width)
+            kept_joint = sum(joint(kept, i) for i in range(1, len(kept.tokens)))
+            assert math.isclose(kept_joint, sum(gains[:width]), rel_tol=1e-9)
+    assert DraftNodes([3, 4], [-1, 0]).ranked_gains() is None
+
+
+def test_budget_prunes_every_tree_to_the_width_that_pays() -> None:
+    rng = random.Random(1)
+    trees = [random_nodes(rng, 12) for _ in range(3)]
+    cost = linear_curve(1.0, 0.1)
+    budget = DraftBudget(depth=4, top_k=2, max_tokens=8, cost=cost)
+    width = cost.best_width([t.ranked_gains()[:8] for t in trees], 8)
+    assert 0 < width < 8  # the case is a real choice, not the cap or nothing
+    pruned = budget.prune(trees)
+    assert [p.tokens for p in pruned] == [t.prune(width).tokens for t in trees]
+    # without a curve the budget is the fixed cap, as in EAGLE-2
+    fixed = DraftBudget(depth=4, top_k=2, max_tokens=8).prune(trees)
+    assert [p.num_drafted for p in fixed] == [8, 8, 8]
+    # trees without probabilities cannot be ranked by gain: the cap applies
+    plain = DraftNodes(list(range(12)), trees[0].parents)
+    assert budget.prune([plain])[0].num_drafted == 8
+
+
+def test_another_draft_depth_must_beat_stopping() -> None:
+    cost = linear_curve(1.0, 0.25)
+    # stopping keeps both nodes: 2.4 tokens in 1.5 s. One more depth adds at most 0.2 tokens
+    # (free to verify, optimistically): worth 0.1 s of drafting (2.6 / 1.6 > 2.4 / 1.5),
+    # not 0.2 s (2.6 / 1.7 < 2.4 / 1.5)
+    assert cost.worth_drafting_deeper([[0.9, 0.5]], 0.2, 4, 0.0, depth_seconds=0.1)
+    assert not cost.worth_drafting_deeper([[0.9, 0.5]], 0.2, 4, 0.0, depth_seconds=0.2)
+
+
+def test_eagle_stops_growing_when_verification_is_cheaper_than_a_draft_depth() -> None:
+    import torch
+
+    from lyanna.drafters.eagle import EagleDrafter
+    from tests.conftest import make_tiny_model
+    from tests.unit.test_eagle import random_head
+
+    model = make_tiny_model(2, vocab_size=16)
+
+    def max_depth(cost: VerifyCost | None) -> int:
+        drafter = EagleDrafter(model, random_head(model), DraftBudget(5, 2, 40, cost=cost))
+        hidden = torch.randn(4, model.config.hidden_size)
+        depths = []
+        for seq_id in range(3):  # the first step times a depth, the later ones use it
+            drafter.start(seq_id, [1, 2, 3, 4], hidden, 5)
+            depths.append(int(drafter.propose([seq_id])[0].depths.max()))
+        return max(depths[1:])
+
+    assert max_depth(None) == 5
+    # a verified row costs a kilosecond: any node that may be accepted pays for a draft depth
+    assert max_depth(VerifyCost((1, 2), (1e3, 1e3 + 1e-9))) == 5
+    # a verification costs a microsecond: one draft depth (milliseconds) never pays
+    assert max_depth(VerifyCost((1, 2), (1e-6, 2e-6))) <= 2
