@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from bench.common import add_run_args, budget_from_args, print_table, set_threads
+from bench.common import add_run_args, describe_tree, method_budget, print_table, set_threads
 from bench.spec_bench import BenchSetup, run_methods
 from lyanna.sampling import SamplingParams
 
@@ -64,17 +64,23 @@ def main() -> None:
     args = parser.parse_args()
     set_threads(args.threads)
     setup = BenchSetup.load(per_category=args.limit_per_category, weights=args.weights)
-    budget = budget_from_args(args, setup.model)
     params = SamplingParams(max_tokens=args.max_tokens)
     methods = args.methods.split(",")
     results: dict[int, dict[str, dict]] = {}
     for batch_size in (int(b) for b in args.batch_sizes.split(",")):
         print(f"batch {batch_size}", flush=True)
-        results[batch_size] = run_methods(setup, methods, batch_size, params, budget, log=False)
+        results[batch_size] = run_methods(
+            setup,
+            methods,
+            batch_size,
+            params,
+            lambda method: method_budget(args, method, setup.model),
+            log=False,
+        )
     names = list(results[next(iter(results))])
     print(
         f"\n{setup.num_prompts} Spec-Bench prompts, greedy, max {args.max_tokens} tokens, "
-        f"depth {args.depth} top-k {args.top_k} budget {args.budget}\n"
+        f"{describe_tree(args)}\n"
     )
     print_table(
         [
@@ -97,7 +103,7 @@ def main() -> None:
     print(f"\ngreedy mismatches vs AR (all batch sizes): {mismatches}")
     title = (
         f"SmolLM2-135M on 2 CPU cores, {setup.num_prompts} Spec-Bench prompts, "
-        f"{args.max_tokens} tokens, budget {args.budget}"
+        f"{args.max_tokens} tokens, {describe_tree(args)}"
     )
     plot(results, args.png, title)
     print(f"plot: {args.png}")

@@ -7,10 +7,10 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
-from lyanna.drafters import DraftBudget
-from lyanna.model.calibrate import verify_cost
+from lyanna.drafters import TREE_MODES, DraftBudget, default_budget, tree_budget
 
 SPEC_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "eval" / "spec_bench.jsonl"
 
@@ -52,12 +52,13 @@ def add_run_args(parser: argparse.ArgumentParser, per_category: int, max_tokens:
     """The flags every Spec-Bench-driven script shares: prompts, tree budget, threads."""
     parser.add_argument("--limit-per-category", type=int, default=per_category)
     parser.add_argument("--max-tokens", type=int, default=max_tokens)
-    parser.add_argument("--depth", type=int, default=5)
-    parser.add_argument("--top-k", type=int, default=4)
-    parser.add_argument("--budget", type=int, default=16, help="draft nodes per tree (a cap)")
+    shape = "default: the method's measured default (lyanna.drafters.DEFAULT_BUDGETS)"
+    parser.add_argument("--depth", type=int, help=shape)
+    parser.add_argument("--top-k", type=int, help=shape)
+    parser.add_argument("--budget", type=int, help="draft nodes per tree (a cap); " + shape)
     parser.add_argument(
         "--tree",
-        choices=("cost", "fixed"),
+        choices=TREE_MODES,
         default="cost",
         help="cost: keep the nodes that pay for their verification (the target's measured "
         "cost curve); fixed: always --budget nodes",
@@ -68,10 +69,19 @@ def add_run_args(parser: argparse.ArgumentParser, per_category: int, max_tokens:
     )
 
 
-def budget_from_args(args: argparse.Namespace, model) -> DraftBudget:
-    """The tree budget of ``add_run_args``' flags (with the target's cost curve for --tree cost)."""
-    cost = verify_cost(model) if args.tree == "cost" else None
-    return DraftBudget(depth=args.depth, top_k=args.top_k, max_tokens=args.budget, cost=cost)
+def method_budget(args: argparse.Namespace, method: str, model) -> DraftBudget:
+    """The tree budget of ``add_run_args``' flags for ``method``: its measured default with
+    the flags given applied on top (and the target's cost curve for --tree cost)."""
+    base = default_budget(method)
+    given = {"depth": args.depth, "top_k": args.top_k, "max_tokens": args.budget}
+    explicit = replace(base, **{k: v for k, v in given.items() if v is not None})
+    return tree_budget(method, model, args.tree, explicit)
+
+
+def describe_tree(args: argparse.Namespace) -> str:
+    given = {"depth": args.depth, "top-k": args.top_k, "budget": args.budget}
+    shape = ", ".join(f"{k} {v}" for k, v in given.items() if v is not None)
+    return f"{args.tree} trees" + (f", {shape}" if shape else ", per-method default shapes")
 
 
 def set_threads(threads: int) -> None:

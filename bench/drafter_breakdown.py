@@ -2,7 +2,7 @@
 softmax, and the rest (sampling: top-k, tree bookkeeping, pruning, fusion), per drafter.
 
     python -m bench.drafter_breakdown [--methods eagle,lyanna] [--limit-per-category 1]
-        [--max-tokens 64] [--depth 5 --top-k 4 --budget 16] [--threads 1]
+        [--max-tokens 64] [--tree cost|fixed] [--depth D --top-k K --budget B] [--threads 1]
 
 Each method first runs the prompts without a profiler (wall-clock draft ms per step), then
 again under ``torch.profiler`` whose ``record_function`` scopes (``lyanna.drafters.scopes``)
@@ -16,7 +16,7 @@ import argparse
 
 from torch.profiler import ProfilerActivity, profile
 
-from bench.common import add_run_args, budget_from_args, print_table, set_threads
+from bench.common import add_run_args, describe_tree, method_budget, print_table, set_threads
 from bench.spec_bench import BenchSetup
 from lyanna.drafters import DraftBudget, make_drafter
 from lyanna.drafters.scopes import LAYER_SCOPE, LM_HEAD_SCOPE, SOFTMAX_SCOPE
@@ -45,10 +45,10 @@ def main() -> None:
     args = parser.parse_args()
     set_threads(args.threads)
     setup = BenchSetup.load(per_category=args.limit_per_category, weights=args.weights)
-    budget = budget_from_args(args, setup.model)
     params = SamplingParams(max_tokens=args.max_tokens)
     rows = []
     for method in args.methods.split(","):
+        budget = method_budget(args, method, setup.model)
         run(setup, method, budget, SamplingParams(max_tokens=8))  # warm-up
         plain = run(setup, method, budget, params)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -62,8 +62,8 @@ def main() -> None:
             [method, per_step_ms, *[per_step_ms * s for s in shares], *[100 * s for s in shares]]
         )
     print(
-        f"\nDraft step breakdown: {setup.num_prompts} prompts, batch 1, depth {args.depth}, "
-        f"top-k {args.top_k}, budget {args.budget}; ms per draft step (wall clock) split by "
+        f"\nDraft step breakdown: {setup.num_prompts} prompts, batch 1, {describe_tree(args)}; "
+        "ms per draft step (wall clock) split by "
         "profiler shares\n"
     )
     print_table(

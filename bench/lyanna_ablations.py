@@ -17,8 +17,9 @@ import argparse
 import json
 from pathlib import Path
 
-from bench.common import add_run_args, budget_from_args, print_table, set_threads
+from bench.common import add_run_args, describe_tree, method_budget, print_table, set_threads
 from bench.spec_bench import BenchSetup, run_methods
+from lyanna.drafters import default_budget
 from lyanna.drafters.lyanna import LyannaDrafter
 from lyanna.sampling import SamplingParams
 
@@ -39,7 +40,7 @@ def main() -> None:
     set_threads(args.threads)
     checkpoints = dict(item.split("=", 1) for item in args.checkpoint)
     setup = BenchSetup.load(per_category=args.limit_per_category, weights=args.weights)
-    budget = budget_from_args(args, setup.model)
+    budget = method_budget(args, "lyanna", setup.model)
 
     def factory(path: str, token_info: bool = True):
         def build() -> LyannaDrafter:
@@ -54,10 +55,10 @@ def main() -> None:
     first_name, first_path = next(iter(checkpoints.items()))
     factories[f"{first_name} (token info off at inference)"] = factory(first_path, False)
     params = SamplingParams(max_tokens=args.max_tokens)
-    results = run_methods(setup, list(factories), 1, params, budget, factories=factories)
+    results = run_methods(setup, list(factories), 1, params, default_budget, factories=factories)
     print(
-        f"\nTable 1: {setup.num_prompts} Spec-Bench prompts, batch 1, greedy, depth "
-        f"{args.depth}, top-k {args.top_k}, budget {args.budget}\n"
+        f"\nTable 1: {setup.num_prompts} Spec-Bench prompts, batch 1, greedy, "
+        f"{describe_tree(args)}\n"
     )
     rows = []
     for name, r in results.items():

@@ -1,7 +1,7 @@
 """Spec-Bench runner: every method through the same engine, side by side, on the same prompts.
 
     python -m bench.spec_bench --methods all --limit-per-category 4 [--batch-size 1]
-        [--temperature 0] [--max-tokens 128] [--depth 5 --top-k 4 --budget 16]
+        [--temperature 0] [--max-tokens 128] [--tree cost|fixed] [--depth D --top-k K --budget B]
         [--questions PATH] [--json results.json]
 
 Prints, per method and per category: end-to-end tokens/s (prefill included), decode-only
@@ -23,8 +23,9 @@ from pathlib import Path
 from bench.common import (
     SPEC_BENCH,
     add_run_args,
-    budget_from_args,
+    describe_tree,
     load_questions,
+    method_budget,
     print_table,
     set_threads,
 )
@@ -131,6 +132,7 @@ class BenchSetup:
 
 
 MIXED = "all (mixed categories)"
+TREE_ROWS = 256  # KV rows beyond prompt + output: the largest tree, a fused subtree, margin
 
 
 @dataclass(slots=True)
@@ -146,7 +148,7 @@ def run_methods(
     methods: list[str],
     batch_size: int,
     params: SamplingParams,
-    budget: DraftBudget,
+    budget_of: Callable[[str], DraftBudget],
     log: bool = True,
     factories: Mapping[str, Callable[[], Drafter]] | None = None,
     reference: ArReference | None = None,
@@ -154,7 +156,8 @@ def run_methods(
     """Every method over every prompt, the methods taking turns on each batch. AR runs
     first on each (speedups and mismatches are against it) unless a filled ``reference``
     from an earlier run with the same batch size is given; an empty ``reference`` is filled.
-    ``factories`` builds drafters the registry does not name (e.g. ablation checkpoints)."""
+    ``budget_of(method)`` gives a registry method's tree budget; ``factories`` builds
+    drafters the registry does not name (e.g. ablation checkpoints)."""
     factories = factories or {}
     reference = reference if reference is not None else ArReference()
     methods = [m for m in dict.fromkeys(methods) if m != "ar"]
@@ -162,9 +165,7 @@ def run_methods(
         methods = ["ar", *methods]
     ar_outputs, ar_tallies = reference.outputs, reference.tallies
     longest = max(len(p) for ps in setup.prompts.values() for p in ps)
-    config = EngineConfig(
-        max_batch=batch_size, max_len=longest + params.max_tokens + 2 * budget.max_tokens + 64
-    )
+    config = EngineConfig(max_batch=batch_size, max_len=longest + params.max_tokens + TREE_ROWS)
     warmup_prompt = next(iter(setup.prompts.values()))[0]
     groups = setup.prompts  # batches form within a category, unless one is too small to fill
     if any(len(prompts) < batch_size for prompts in groups.values()):
@@ -174,7 +175,7 @@ def run_methods(
         drafter = (
             factories[method]()
             if method in factories
-            else make_drafter(method, setup.model, budget)
+            else make_drafter(method, setup.model, budget_of(method))
         )
         engines[method] = lambda d=drafter: SpecEngine(setup.model, d, config)
         run_batch(engines[method], [warmup_prompt], SamplingParams(max_tokens=16), setup.eos)
@@ -272,15 +273,19 @@ def main() -> None:
     if args.methods_csv:
         methods += list(DRAFTERS) if args.methods_csv == "all" else args.methods_csv.split(",")
     setup = BenchSetup.load(args.questions, args.limit_per_category, args.weights)
-    budget = budget_from_args(args, setup.model)
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
     )
-    results = run_methods(setup, methods or ["ngram"], args.batch_size, params, budget)
+    results = run_methods(
+        setup,
+        methods or ["ngram"],
+        args.batch_size,
+        params,
+        lambda method: method_budget(args, method, setup.model),
+    )
     print(
         f"\nSpec-Bench: {setup.num_prompts} prompts, batch {args.batch_size}, "
-        f"T={args.temperature}, max {args.max_tokens} tokens, tree depth {args.depth} "
-        f"top-k {args.top_k} budget {args.budget} ({args.tree})\n"
+        f"T={args.temperature}, max {args.max_tokens} tokens, {describe_tree(args)}\n"
     )
     print_results(results)
     categories = list(next(iter(results.values()))["categories"])

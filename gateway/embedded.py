@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from gateway.backend import (
     BackendBusy,
@@ -29,7 +29,7 @@ from gateway.backend import (
     StepFacts,
     TokenDelta,
 )
-from lyanna.drafters import DRAFTERS, DraftBudget, make_drafter
+from lyanna.drafters import DRAFTERS, TREE_MODES, DraftBudget, make_drafter, tree_budget
 from lyanna.engine import Emitted, EngineConfig, SpecEngine
 from lyanna.model.transformer import Transformer
 from lyanna.sampling import SamplingParams
@@ -49,7 +49,8 @@ class EmbeddedConfig:
     max_batch: int = 8  # running sequences per engine (the drafters hold state for 16)
     max_len: int = 2048  # KV rows per sequence
     max_waiting: int = 64  # requests waiting for their first token before BackendBusy
-    budget: DraftBudget = field(default_factory=DraftBudget)
+    budget: DraftBudget | None = None  # None = each method's measured default shape
+    tree: str = "cost"  # cost: trees sized by the target's cost curve; fixed: the budget
     rule: str | None = None  # acceptance rule at T > 0; None = the drafter scheme's default
     drain_seconds: float = 30.0
 
@@ -57,6 +58,8 @@ class EmbeddedConfig:
         for method in (self.default_method, *self.fallback_methods):
             if method not in DRAFTERS:
                 raise ValueError(f"unknown method {method!r}; known: {sorted(DRAFTERS)}")
+        if self.tree not in TREE_MODES:
+            raise ValueError(f"tree must be one of {TREE_MODES}, got {self.tree!r}")
         if not 1 <= self.max_batch <= 16:
             raise ValueError("max_batch must be in [1, 16]")
         if self.max_len <= 2 * ENGINE_MARGIN or self.max_waiting < 1 or self.drain_seconds < 0:
@@ -200,7 +203,8 @@ class EmbeddedBackend:
             return None
         engine_config = EngineConfig(self.config.max_batch, self._max_len, self.config.rule)
         try:
-            drafter = make_drafter(method, self.model, self.config.budget)
+            budget = tree_budget(method, self.model, self.config.tree, self.config.budget)
+            drafter = make_drafter(method, self.model, budget)
             engine = SpecEngine(self.model, drafter, engine_config)
             self._warm_up(engine)
         except ENGINE_BUILD_ERRORS as err:

@@ -69,6 +69,7 @@ def _serve_embedded(args: argparse.Namespace, config: GatewayConfig) -> None:
         max_batch=args.max_batch,
         max_len=args.max_len,
         max_waiting=args.max_waiting,
+        tree=args.tree,
     )
     holder: dict[str, FastAPI] = {}
 
@@ -92,9 +93,13 @@ def _serve_services(args: argparse.Namespace, config: GatewayConfig) -> None:
         return
     verifier_args = ("--max-seqs", str(args.max_batch), "--max-len", str(args.max_len))
     verifier_args += ("--weights", args.weights)
+    # the drafter loads the target in the verifier's format to measure its cost curve
+    drafter_args = ("--weights", args.weights, "--tree", args.tree)
     for method in dict.fromkeys((args.method, *FALLBACK_METHODS)):
         try:
-            deployment = launch(model_path, method=method, verifier_args=verifier_args)
+            deployment = launch(
+                model_path, method=method, verifier_args=verifier_args, drafter_args=drafter_args
+            )
         except LaunchError as err:
             logger.warning("the drafter service cannot start with %r: %s", method, err)
             continue

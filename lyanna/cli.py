@@ -95,6 +95,14 @@ def _add_serve(sub) -> None:
     serve.add_argument("--method", default="lyanna", help="default speculative method")
     serve.add_argument("--model", help="an HF directory or .gguf (default: SmolLM2-135M)")
     _add_weights(serve)
+    serve.add_argument(
+        "--tree",
+        choices=("cost", "fixed"),
+        default=os.environ.get("LYANNA_TREE", "cost"),
+        help="cost: each step drafts only the nodes that pay for their verification (the "
+        "target's cost curve, measured once per machine); fixed: every method's full "
+        "default budget (env LYANNA_TREE)",
+    )
     serve.add_argument("--max-batch", type=int, default=8, help="running sequences per engine")
     serve.add_argument("--max-len", type=int, default=2048, help="KV rows per sequence")
     serve.add_argument("--max-waiting", type=int, default=64, help="queue bound (then 429)")

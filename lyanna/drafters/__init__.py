@@ -7,6 +7,7 @@ method whose checkpoint is absent fails with a clear error only when asked for.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from types import MappingProxyType
 
 from lyanna.drafters.base import DraftBudget, Drafter, NoDrafter, VerifiedStep
@@ -60,12 +61,62 @@ DRAFTERS: Mapping[str, DrafterFactory] = MappingProxyType(
 )
 
 
+# The tree shape each method drafts unless told otherwise (serve, the drafter service,
+# spec_bench): the best measured on Spec-Bench, cost-aware (the budget is a cap, the
+# target's cost curve picks the size per step); see docs/benchmarks.md, "Tree shapes".
+DEFAULT_BUDGETS: Mapping[str, DraftBudget] = MappingProxyType(
+    {
+        "ngram": DraftBudget(depth=3, top_k=2, max_tokens=8),
+        "sps": DraftBudget(depth=3, top_k=2, max_tokens=8),
+        "eagle": DraftBudget(depth=5, top_k=2, max_tokens=8),
+        "lyanna": DraftBudget(depth=3, top_k=2, max_tokens=8),
+        "lyanna-unfused": DraftBudget(depth=3, top_k=2, max_tokens=8),
+        "lyanna-noresample": DraftBudget(depth=3, top_k=2, max_tokens=8),
+    }
+)
+
+
+def default_budget(method: str) -> DraftBudget:
+    """The measured default tree shape of ``method`` (without a cost curve: the caller adds
+    the target's, ``lyanna.model.calibrate.verify_cost``)."""
+    return DEFAULT_BUDGETS.get(method, DraftBudget())
+
+
+TREE_MODES = ("cost", "fixed")
+
+
+def tree_budget(
+    method: str, model: Transformer, tree: str = "cost", budget: DraftBudget | None = None
+) -> DraftBudget:
+    """What an entry point drafts with: ``budget`` (default: the method's measured default)
+    and, when ``tree`` is ``cost``, the target's cost curve (measured once per machine)."""
+    if tree not in TREE_MODES:
+        raise ValueError(f"tree must be one of {TREE_MODES}, got {tree!r}")
+    budget = budget or default_budget(method)
+    if tree == "cost" and method != "ar":  # plain decoding drafts nothing to size
+        from lyanna.model.calibrate import verify_cost
+
+        budget = replace(budget, cost=verify_cost(model))
+    return budget
+
+
 def make_drafter(name: str, model: Transformer, budget: DraftBudget | None = None) -> Drafter:
     try:
         factory = DRAFTERS[name]
     except KeyError:
         raise KeyError(f"unknown method {name!r}; known: {sorted(DRAFTERS)}") from None
-    return factory(model, budget or DraftBudget())
+    return factory(model, budget or default_budget(name))
 
 
-__all__ = ["DRAFTERS", "DraftBudget", "Drafter", "NoDrafter", "VerifiedStep", "make_drafter"]
+__all__ = [
+    "DEFAULT_BUDGETS",
+    "DRAFTERS",
+    "DraftBudget",
+    "Drafter",
+    "NoDrafter",
+    "TREE_MODES",
+    "VerifiedStep",
+    "default_budget",
+    "make_drafter",
+    "tree_budget",
+]

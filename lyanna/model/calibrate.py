@@ -20,7 +20,7 @@ import torch
 
 from lyanna.model.config import ModelConfig
 from lyanna.model.cpu_kernels import PackedLinear, prepacking_available
-from lyanna.model.quant import GROUP, BF16Linear, Int4Linear, Q4Blocks, int4_kernel_available
+from lyanna.model.quant import GROUP, Int4Linear, Q4Blocks, int4_kernel_available
 from lyanna.model.transformer import Transformer
 from lyanna.tree_cost import VerifyCost
 
@@ -63,7 +63,7 @@ def _layers(config: ModelConfig, fmt: str) -> list[torch.nn.Module]:
             else:
                 mods.append(PackedLinear(torch.randn(out_f, in_f) * 0.02))
     head = torch.randn(config.vocab_size, config.hidden_size) * 0.02
-    mods.append(BF16Linear(head) if fmt == "q4" else PackedLinear(head))
+    mods.append(PackedLinear(head, torch.bfloat16 if fmt == "q4" else None))
     return mods
 
 

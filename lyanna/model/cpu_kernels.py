@@ -25,15 +25,25 @@ def prepacking_available(weight: torch.Tensor) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """A bias-free Linear whose weight lives in oneDNN's blocked layout (inference only)."""
+    """A bias-free Linear whose weight lives in oneDNN's blocked layout (inference only).
+    With ``dtype`` (bf16: half the bytes of fp32, e.g. the LM head of 4-bit models) the weight
+    is stored and multiplied in it; inputs are cast to it and outputs back to theirs."""
 
-    def __init__(self, weight: torch.Tensor) -> None:  # weight [out, in]
-        super().__init__()
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        super().__init__()  # weight [out, in]
         self.out_features, self.in_features = weight.shape
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+        self.dtype = dtype or weight.dtype
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(
+            weight.detach().to(self.dtype), PACK_BATCH_HINT
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        if x.dtype == self.dtype:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(
+            x.to(self.dtype), self.packed, None, "none", [], ""
+        )
+        return out.to(x.dtype)
 
 
 def prepack_linears(module: nn.Module) -> int:

@@ -15,10 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lyanna.model.config import ModelConfig, UnsupportedModelError
-from lyanna.model.cpu_kernels import prepack_linears
+from lyanna.model.cpu_kernels import PackedLinear, prepack_linears
 from lyanna.model.quant import (
     Q4_TYPES,
-    BF16Linear,
     Int4Linear,
     Q4Blocks,
     int4_kernel_available,
@@ -241,7 +240,7 @@ def _use_q4(model: Transformer, q4: dict[str, Q4Blocks]) -> None:
                 parent_name, attr = ours.split(".")
                 parent = getattr(block, parent_name)
                 setattr(parent, attr, Int4Linear(Q4Blocks.cat([q4[n] for n in names])))
-    model.lm_head = BF16Linear(model.lm_head.weight)
+    model.lm_head = PackedLinear(model.lm_head.weight, torch.bfloat16)  # see quant
     model.attention_dtype = torch.float64  # see Transformer.attention_dtype
 
 

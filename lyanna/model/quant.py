@@ -110,23 +110,3 @@ class Int4Linear(nn.Module):
             flat, self.packed, GROUP, self.scales_and_zeros
         )
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
-
-
-class BF16Linear(nn.Module):
-    """A bias-free Linear with bf16 weights in oneDNN's packed layout: the LM head in q4 mode
-    (half the bytes of fp32; 4-bit kernels grow too fast with rows to verify trees)."""
-
-    def __init__(self, weight: torch.Tensor) -> None:  # [out, in]
-        super().__init__()
-        from lyanna.model.cpu_kernels import PACK_BATCH_HINT
-
-        self.out_features, self.in_features = weight.shape
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(
-            weight.detach().to(torch.bfloat16), PACK_BATCH_HINT
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.mkldnn._linear_pointwise(
-            x.to(torch.bfloat16), self.packed, None, "none", [], ""
-        )
-        return out.to(x.dtype)

@@ -24,8 +24,18 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from lyanna.drafters import DRAFTERS, DraftBudget, Drafter, VerifiedStep, make_drafter
+from lyanna.drafters import (
+    DRAFTERS,
+    TREE_MODES,
+    DraftBudget,
+    Drafter,
+    VerifiedStep,
+    default_budget,
+    make_drafter,
+    tree_budget,
+)
 from lyanna.model import load_model
+from lyanna.model.loader import WEIGHT_FORMATS
 from lyanna.model.transformer import Transformer
 from services import codec
 from services.config import ServerConfig, parse_configs
@@ -42,23 +52,41 @@ log = logging.getLogger("lyanna.services.drafter")
 class DrafterConfig:
     method: str = "lyanna"  # a name from lyanna.drafters.DRAFTERS
     model: str = ""  # target checkpoint (drafters share its embeddings); "" = default model
-    depth: int = 5  # DraftBudget
-    top_k: int = 4
-    max_draft_tokens: int = 16
+    # the target's format here, the verifier's (auto picks the same on the same machine):
+    # the cost curve of --tree cost is measured on it
+    weights: str = "auto"
+    # tree shape; unset = the method's measured default (lyanna.drafters.DEFAULT_BUDGETS)
+    depth: int | None = None
+    top_k: int | None = None
+    max_draft_tokens: int | None = None
+    tree: str = "cost"  # cost: trees sized by the target's cost curve; fixed: the budget
     # "module:function" building a Drafter from (target model, budget) instead of the
     # registry: custom drafters, tests with random-weight heads
     factory: str | None = None
 
     def __post_init__(self) -> None:
-        DraftBudget(self.depth, self.top_k, self.max_draft_tokens)
+        self.shape()  # DraftBudget validates it
+        if self.tree not in TREE_MODES:
+            raise ValueError(f"tree must be one of {TREE_MODES}, got {self.tree!r}")
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be one of {WEIGHT_FORMATS}")
         if self.factory is None and self.method not in DRAFTERS:
             raise ValueError(f"unknown method {self.method!r}; known: {sorted(DRAFTERS)}")
         if self.factory is not None and ":" not in self.factory:
             raise ValueError("factory must look like 'package.module:function'")
 
-    @property
-    def budget(self) -> DraftBudget:
-        return DraftBudget(self.depth, self.top_k, self.max_draft_tokens)
+    def shape(self) -> DraftBudget:
+        """The tree shape: the method's default with the fields set here on top."""
+        base = default_budget(self.method)
+        return DraftBudget(
+            base.depth if self.depth is None else self.depth,
+            base.top_k if self.top_k is None else self.top_k,
+            base.max_tokens if self.max_draft_tokens is None else self.max_draft_tokens,
+        )
+
+    def budget(self, model: Transformer) -> DraftBudget:
+        """The shape, with the target's cost curve for ``tree='cost'``."""
+        return tree_budget(self.method, model, self.tree, self.shape())
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
@@ -68,9 +96,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         config: DrafterConfig,
         receiver: HiddenReceiver,
         vocab_size: int,
+        budget: DraftBudget | None = None,
     ) -> None:
         self.drafter = drafter
         self.config = config
+        self.budget = budget or config.shape()
         self.receiver = receiver
         self.vocab_size = vocab_size
         self._committed: dict[int, int] = {}  # seq id -> tokens in the target KV
@@ -78,7 +108,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     @rpc_errors
     def Info(self, request, context) -> drafter_pb2.InfoResponse:
-        budget = self.config.budget
+        budget = self.budget
         return drafter_pb2.InfoResponse(
             method=self.config.method,
             scheme=codec.SCHEMES[self.drafter.scheme],
@@ -206,19 +236,22 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return True
 
 
-def make_configured_drafter(config: DrafterConfig, model: Transformer) -> Drafter:
+def make_configured_drafter(
+    config: DrafterConfig, model: Transformer, budget: DraftBudget
+) -> Drafter:
     if config.factory is None:
-        return make_drafter(config.method, model, config.budget)
+        return make_drafter(config.method, model, budget)
     module_name, _, function = config.factory.partition(":")
     factory = getattr(importlib.import_module(module_name), function)
-    return factory(model, config.budget)
+    return factory(model, budget)
 
 
 def build_servicer(config: DrafterConfig, server_config: ServerConfig) -> DrafterServicer:
     from lyanna.model import fetch_default_model
 
-    model = load_model(config.model or fetch_default_model())
-    drafter = make_configured_drafter(config, model)
+    model = load_model(config.model or fetch_default_model(), weights=config.weights)
+    budget = config.budget(model)
+    drafter = make_configured_drafter(config, model, budget)
     plane = None
     if server_config.plane != "grpc":
         plane = DataPlane(
@@ -226,7 +259,7 @@ def build_servicer(config: DrafterConfig, server_config: ServerConfig) -> Drafte
         )
         plane.connect_in_background()
     receiver = HiddenReceiver(model.config.hidden_size, model.dtype, plane)
-    return DrafterServicer(drafter, config, receiver, model.config.vocab_size)
+    return DrafterServicer(drafter, config, receiver, model.config.vocab_size, budget)
 
 
 def main(argv: list[str] | None = None) -> int:

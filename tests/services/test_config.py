@@ -22,7 +22,7 @@ def test_flags_over_environment_over_defaults() -> None:
     assert server.max_message_bytes == 64 * 1024 * 1024 and verifier.max_len == 2048
     env = {"LYANNA_DRAFTER_TOP_K": "2", "LYANNA_DRAFTER_METHOD": "ngram"}
     _, drafter = parse_configs((ServerConfig, DrafterConfig), [], "LYANNA_DRAFTER_", env)
-    assert drafter.method == "ngram" and drafter.budget.top_k == 2
+    assert drafter.method == "ngram" and drafter.shape().top_k == 2
 
 
 @pytest.mark.parametrize(

@@ -96,7 +96,7 @@ def test_drafter_checks_hidden_shapes_and_refs() -> None:
 def test_drafter_without_hidden_ignores_them() -> None:
     receiver = HiddenReceiver(32, torch.float32)
     config = DrafterConfig(method="ngram", depth=4, top_k=2, max_draft_tokens=6)
-    servicer = DrafterServicer(NgramDrafter(config.budget), config, receiver, 16)
+    servicer = DrafterServicer(NgramDrafter(config.shape()), config, receiver, 16)
     start = drafter_pb2.StartItem(
         ref=common_pb2.SeqRef(seq_id=5, num_committed=2), prompt_ids=[1, 2], first_token=1
     )

@@ -27,7 +27,13 @@ def test_lyanna_services_equal_plain_greedy(default_model, default_tokenizer, de
     ]
     expected = plain_greedy(default_model, prompts, MAX_TOKENS)
     verifier_args = ("--max-len", "1024", "--weights", "fp32")  # the reference is fp32
-    with launch(default_model_dir, "lyanna", verifier_args=verifier_args) as deployment:
+    # a large fixed tree, so the acceptance length below measures the drafter, not the cost
+    # model (which keeps few nodes where rows are dear)
+    drafter_args = ("--weights", "fp32", "--tree", "fixed", "--depth", "5", "--top-k", "4")
+    drafter_args += ("--max-draft-tokens", "16")
+    with launch(
+        default_model_dir, "lyanna", verifier_args=verifier_args, drafter_args=drafter_args
+    ) as deployment:
         config = RemoteConfig(deployment.verifier_addr, deployment.drafter_addr, method="lyanna")
         outcomes, backend = run_remote(config, prompts, SamplingParams(max_tokens=MAX_TOKENS))
         processes = [child.process for child in deployment.children.values()]

@@ -143,3 +143,38 @@ def test_eagle_stops_growing_when_verification_is_cheaper_than_a_draft_depth() -
     assert max_depth(VerifyCost((1, 2), (1e3, 1e3 + 1e-9))) == 5
     # a verification costs a microsecond: one draft depth (milliseconds) never pays
     assert max_depth(VerifyCost((1, 2), (1e-6, 2e-6))) <= 2
+
+
+def test_serving_services_and_spec_bench_draft_the_same_measured_default(
+    monkeypatch, tmp_path
+) -> None:
+    import argparse
+
+    from bench.common import method_budget
+    from gateway.embedded import EmbeddedBackend, EmbeddedConfig
+    from lyanna.drafters import DEFAULT_BUDGETS, tree_budget
+    from services.drafter.server import DrafterConfig
+    from tests.conftest import make_tiny_model
+
+    monkeypatch.setenv("LYANNA_CACHE", str(tmp_path))
+    model = make_tiny_model(3, vocab_size=32)
+    served = EmbeddedBackend(model, frozenset({0}), EmbeddedConfig(default_method="ngram"))
+    embedded = served._engine("ngram").drafter.budget
+    service = DrafterConfig(method="ngram").budget(model)
+    flags = argparse.Namespace(depth=None, top_k=None, budget=None, tree="cost")
+    benched = method_budget(flags, "ngram", model)
+    assert embedded == service == benched == tree_budget("ngram", model)
+    default = DEFAULT_BUDGETS["ngram"]
+    assert (embedded.depth, embedded.top_k, embedded.max_tokens) == (
+        default.depth,
+        default.top_k,
+        default.max_tokens,
+    )
+    # the curve was measured on this model once, then read back from the machine's cache
+    assert embedded.cost is not None and embedded.cost.rows[0] == 1
+    assert "verify_cost" in (tmp_path / "calibration.json").read_text()
+    # --tree fixed drafts the full budget with no curve; a flag overrides one field only
+    fixed = method_budget(
+        argparse.Namespace(depth=2, top_k=None, budget=None, tree="fixed"), "ngram", model
+    )
+    assert fixed.cost is None and (fixed.depth, fixed.top_k) == (2, default.top_k)
