@@ -49,7 +49,8 @@ class _Generation(_Body):
     # null is accepted wherever OpenAI accepts it and means the default
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)  # None = 1.0
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)  # None = 1.0
-    seed: int | None = None
+    # a 64-bit unsigned seed, as the services' wire format and torch's generator take it
+    seed: int | None = Field(default=None, ge=0, lt=2**64)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None

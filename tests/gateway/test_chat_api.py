@@ -129,6 +129,7 @@ def test_method_header_and_seeded_sampling(client, gateway) -> None:
         return response.parse().choices[0].message.content
 
     assert sampled(7) == sampled(7)
+    assert sampled(2**64 - 1) == sampled(2**64 - 1)  # the largest seed the schema admits
 
 
 def test_models_and_health(client, gateway) -> None:

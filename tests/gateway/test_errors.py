@@ -81,6 +81,8 @@ def test_wrong_types_and_ranges_are_400(http, overrides, param) -> None:
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"stop": "x" * 200}, "stop"),
         ({"logprobs": True}, "logprobs"),
+        ({"seed": -1}, "seed"),  # once a 503 for every request prefilled with it
+        ({"seed": 2**64}, "seed"),
     ],
 )
 def test_invalid_parameters_are_400(http, overrides, param) -> None:
