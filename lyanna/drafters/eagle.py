@@ -22,7 +22,7 @@ from torch.profiler import record_function
 from lyanna.drafters.base import DraftBudget, VerifiedStep
 from lyanna.drafters.dynamic_tree import DynamicTreeDrafter, TreeContext
 from lyanna.drafters.eagle_head import DEFAULT_CHECKPOINT, EagleHead, load_eagle_head
-from lyanna.drafters.heads import hot_lm_head
+from lyanna.drafters.heads import draft_weight_dtype, hot_lm_head
 from lyanna.drafters.scopes import LAYER_SCOPE
 from lyanna.kv_cache import KVCache
 from lyanna.model.cpu_kernels import prepack_linears
@@ -48,14 +48,16 @@ class EagleDrafter(DynamicTreeDrafter):
         budget: DraftBudget | None = None,
         max_sequences: int = 16,
         max_len: int = 4096,
+        weight_dtype: torch.dtype | str | None = "auto",  # "auto": draft_weight_dtype(target)
     ) -> None:
         self.budget = budget or DraftBudget()
         head = head if head is not None else load_eagle_head(DEFAULT_CHECKPOINT)
         self.head = head.float().eval()
-        prepack_linears(self.head)
+        dtype = draft_weight_dtype(target) if weight_dtype == "auto" else weight_dtype
+        prepack_linears(self.head, dtype)
         self.embedding = target.embed_tokens  # shared, frozen
         self.hot_vocab = self.head.hot_vocab  # [num_hot] int64
-        self.lm_head = hot_lm_head(target.embed_tokens.weight, self.hot_vocab)
+        self.lm_head = hot_lm_head(target.embed_tokens.weight, self.hot_vocab, dtype)
         self.rope_cos, self.rope_sin = self.head.rope_cos, self.head.rope_sin
         config = self.head.config.layer_config()
         max_len = min(max_len, config.max_position_embeddings)

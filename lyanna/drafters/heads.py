@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lyanna.model.cpu_kernels import PackedLinear, prepacking_available
+from lyanna.model.quant import Int4Linear
 
 
 class Linear(nn.Module):
@@ -25,8 +26,19 @@ class Linear(nn.Module):
         return F.linear(x, self.weight)
 
 
-def hot_lm_head(embedding: torch.Tensor, hot_vocab: torch.Tensor) -> nn.Module:
-    """The tied LM head restricted to the hot rows (fp32), prepacked on CPU:
-    [..., d] -> [..., num_hot] logits."""
+def hot_lm_head(
+    embedding: torch.Tensor, hot_vocab: torch.Tensor, dtype: torch.dtype | None = None
+) -> nn.Module:
+    """The tied LM head restricted to the hot rows (fp32, or ``dtype`` when prepacked), on
+    CPU prepacked: [..., d] -> [..., num_hot] logits."""
     rows = embedding.detach()[hot_vocab].float().contiguous()  # [num_hot, d]
-    return PackedLinear(rows) if prepacking_available(rows) else Linear(rows)
+    return PackedLinear(rows, dtype) if prepacking_available(rows) else Linear(rows)
+
+
+def draft_weight_dtype(target: nn.Module) -> torch.dtype | None:
+    """The dtype a drafter's layers and head compute in next to ``target``: bf16 when the
+    target runs 4-bit weights (chosen only where bf16 products have a fast path, see
+    ``lyanna.model.calibrate``), else the weights' own. A draft step is bound by reading its
+    weights (one layer and an 8k-row head: about 33 MB in fp32 per depth), so half the bytes
+    is nearly half the time; drafting stays lossless whatever the drafter computes."""
+    return torch.bfloat16 if any(isinstance(m, Int4Linear) for m in target.modules()) else None

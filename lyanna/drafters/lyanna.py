@@ -21,7 +21,7 @@ from torch.profiler import record_function
 
 from lyanna.drafters.base import DraftBudget, VerifiedStep
 from lyanna.drafters.checkpoint import read_checkpoint
-from lyanna.drafters.heads import hot_lm_head
+from lyanna.drafters.heads import draft_weight_dtype, hot_lm_head
 from lyanna.drafters.lyanna_model import LyannaDraftConfig, LyannaDraftModel
 from lyanna.drafters.scopes import LAYER_SCOPE, LM_HEAD_SCOPE
 from lyanna.drafters.token_info_tree import build_subtrees, resample_subtree
@@ -63,10 +63,12 @@ class LyannaDrafter:
         resample: ResampleConfig | None = None,
         max_seqs: int = 16,
         max_len: int = 4096,
+        weight_dtype: torch.dtype | str | None = "auto",  # "auto": draft_weight_dtype(target)
     ) -> None:
         self.draft = draft.eval()
-        prepack_linears(draft)  # fc and the layer, once, in place: inference only from here
-        self.lm_head = hot_lm_head(draft.embedding, draft.hot_ids)  # not gathered per step
+        dtype = draft_weight_dtype(target) if weight_dtype == "auto" else weight_dtype
+        prepack_linears(draft, dtype)  # fc and the layer, once, in place: inference only
+        self.lm_head = hot_lm_head(draft.embedding, draft.hot_ids, dtype)  # not per step
         self.budget = budget or DraftBudget()
         self.resample = resample or ResampleConfig()
         layer_config = replace(draft.config.target, num_layers=1)

@@ -26,7 +26,7 @@ from torch.profiler import record_function
 from lyanna.drafters.base import DraftBudget, VerifiedStep
 from lyanna.drafters.checkpoint import read_checkpoint
 from lyanna.drafters.dynamic_tree import DynamicTreeDrafter, TreeContext
-from lyanna.drafters.heads import hot_lm_head
+from lyanna.drafters.heads import draft_weight_dtype, hot_lm_head
 from lyanna.drafters.scopes import LAYER_SCOPE
 from lyanna.kv_cache import KVCache
 from lyanna.model.cpu_kernels import prepack_linears
@@ -98,12 +98,14 @@ class SpsDrafter(DynamicTreeDrafter):
         budget: DraftBudget | None = None,
         max_sequences: int = 16,
         max_len: int = 4096,
+        weight_dtype: torch.dtype | None = None,  # e.g. bf16 (see heads.draft_weight_dtype)
     ) -> None:
         self.student = student
-        prepack_linears(student.layers)  # once, in place: the student serves inference only
+        # once, in place: the student serves inference only
+        prepack_linears(student.layers, weight_dtype)
         self.budget = budget or DraftBudget()
         self.hot_vocab = hot_vocab
-        self.lm_head = hot_lm_head(student.embed_tokens.weight, hot_vocab)
+        self.lm_head = hot_lm_head(student.embed_tokens.weight, hot_vocab, weight_dtype)
         self.rope_cos, self.rope_sin = student.rope_cos, student.rope_sin
         max_len = min(max_len, student.config.max_position_embeddings)
         self.cache = KVCache(student.config, max_sequences, max_len, torch.float32)
@@ -114,6 +116,7 @@ class SpsDrafter(DynamicTreeDrafter):
         cls, target: Transformer, path: str | Path = DEFAULT_CHECKPOINT, **kwargs
     ) -> SpsDrafter:
         student, hot_vocab = load_sps_student(target, path)
+        kwargs.setdefault("weight_dtype", draft_weight_dtype(target))
         return cls(student, hot_vocab, **kwargs)
 
     # -- Drafter protocol --------------------------------------------------------------

@@ -46,15 +46,16 @@ class PackedLinear(nn.Module):
         return out.to(x.dtype)
 
 
-def prepack_linears(module: nn.Module) -> int:
-    """Replace every bias-free ``nn.Linear`` under ``module`` by a ``PackedLinear``; returns
-    how many were replaced (0 when oneDNN is unavailable or the weights are not on CPU)."""
+def prepack_linears(module: nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Replace every bias-free ``nn.Linear`` under ``module`` by a ``PackedLinear`` (its
+    weight in ``dtype``, default its own); returns how many were replaced (0 when oneDNN is
+    unavailable or the weights are not on CPU)."""
     replaced = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear) and child.bias is None:
             if prepacking_available(child.weight):
-                setattr(module, name, PackedLinear(child.weight))
+                setattr(module, name, PackedLinear(child.weight, dtype))
                 replaced += 1
         else:
-            replaced += prepack_linears(child)
+            replaced += prepack_linears(child, dtype)
     return replaced

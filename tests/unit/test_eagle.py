@@ -63,6 +63,20 @@ def test_greedy_equals_plain_decoding(max_batch: int, budget: DraftBudget) -> No
     assert engine.stats.num_drafted > 0
 
 
+def test_bf16_draft_weights_stay_lossless() -> None:
+    """A drafter computing in bf16 (next to a q4 target) proposes other trees, same output."""
+    model = make_tiny_model(2, vocab_size=16)
+    budget = DraftBudget(4, 2, 8)
+    drafter = EagleDrafter(model, random_head(model), budget, weight_dtype=torch.bfloat16)
+    assert drafter.lm_head.dtype == torch.bfloat16
+    engine, seqs = run_engine(model, drafter, PROMPTS, max_batch=2)
+    engine.run()
+    expected = [Sequence(i, p, SamplingParams(max_tokens=24)) for i, p in enumerate(PROMPTS)]
+    generate(model, expected)
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in expected]
+    assert engine.stats.num_drafted > 0
+
+
 def test_sampled_decoding_runs_with_the_deterministic_rule() -> None:
     model = make_tiny_model(3, vocab_size=16)
     drafter = EagleDrafter(model, random_head(model), DraftBudget(3, 2, 6), max_sequences=2)

@@ -156,3 +156,22 @@ def test_auto_weights_follow_the_measurement_and_cache_it(tmp_path: Path, monkey
     (tmp_path / "calibration.json").unlink()
     timing_q4_at_4 = 0.006
     assert calibrate.choose_weights(config) == "q4" and len(calls) == 2
+
+
+def test_drafters_compute_in_bf16_next_to_a_q4_target(tmp_path: Path) -> None:
+    from lyanna.drafters.heads import draft_weight_dtype, hot_lm_head
+    from lyanna.model.cpu_kernels import PackedLinear
+
+    gguf_file = tmp_path / "tiny-q4.gguf"
+    _write_q4_gguf(gguf_file, "Q4_1")
+    assert draft_weight_dtype(load_model(gguf_file, weights="q4")) == torch.bfloat16
+    assert draft_weight_dtype(load_model(gguf_file, weights="fp32")) is None
+    gen = torch.Generator().manual_seed(2)
+    embedding = torch.randn(40, 64, generator=gen)
+    hot = torch.tensor([3, 1, 30, 7])
+    head = hot_lm_head(embedding, hot, torch.bfloat16)
+    assert isinstance(head, PackedLinear) and head.dtype == torch.bfloat16
+    x = torch.randn(2, 5, 64, generator=gen)
+    got, expected = head(x), x @ embedding[hot].T
+    assert got.dtype == torch.float32  # the caller's dtype: only the product runs in bf16
+    assert (got - expected).norm() / expected.norm() < 1e-2
