@@ -138,12 +138,17 @@ class TargetRunner:
                     f"token {state.next_token}"
                 )
         rules = [self._rule(state.params, tree) for state, tree in zip(states, trees, strict=True)]
-        slots = torch.tensor([s.slot for s in states])
-        packed = pack_trees(trees, self.cache.lengths[slots])
+        # rows in slot order: when the slots form a run (a full batch always does, whatever
+        # order sequences arrived in), every layer reads the KV as a view instead of a copy
+        order = sorted(range(len(states)), key=lambda i: states[i].slot)
+        slots = torch.tensor([states[i].slot for i in order])
+        packed = pack_trees([trees[i] for i in order], self.cache.lengths[slots])
         hidden = self.model(packed.tokens, packed.positions, self.cache, slots, packed.mask)
-        logits = self.model.logits(hidden)  # [B, n_max, vocab]
+        logits = self.model.logits(hidden)  # [B, n_max, vocab], rows in slot order
+        row_of = {i: row for row, i in enumerate(order)}
         results = []
-        for row, (state, tree, rule) in enumerate(zip(states, trees, rules, strict=True)):
+        for index, (state, tree, rule) in enumerate(zip(states, trees, rules, strict=True)):
+            row = row_of[index]
             rows = logits[row, : tree.num_nodes]  # [num_nodes, vocab]
             if not state.params.greedy:
                 rows = logits_to_probs(rows, state.params.temperature, state.params.top_p)

@@ -39,3 +39,29 @@ def test_prefill_accepts_stop_strings_it_leaves_to_the_caller() -> None:
     plain = TargetRunner(make_tiny_model(1, vocab_size=16), TargetConfig(max_seqs=1, max_len=64))
     expected = plain.prefill(0, [1, 2, 3], SamplingParams(max_tokens=8)).first_token
     assert runner.prefill(0, [1, 2, 3], params).first_token == expected
+
+
+def test_a_batch_verifies_in_slot_order_and_reads_the_kv_as_a_view() -> None:
+    """After a retirement the next sequence reuses the freed slot, so arrival order and slot
+    order differ; the forward runs in slot order (a contiguous run reads the KV without a
+    copy) and every sequence still gets its own verdict, the same as alone."""
+    model = make_tiny_model(1, vocab_size=16)
+    runner = TargetRunner(model, TargetConfig(max_seqs=3, max_len=64))
+    prompts = {0: [1, 2, 3], 1: [4, 5], 2: [6, 7, 8, 9]}
+    for seq_id in (0, 1, 2):
+        runner.prefill(seq_id, prompts[seq_id], SamplingParams(max_tokens=8))
+    runner.release(0)
+    prompts[3] = [10, 11]
+    runner.prefill(3, prompts[3], SamplingParams(max_tokens=8))  # takes slot 0
+    seq_ids = [1, 2, 3]  # arrival order: slots 1, 2, 0
+    assert [runner.slot(s) for s in seq_ids] == [1, 2, 0]
+    trees = [TokenTree.root_only(runner.next_token(s)) for s in seq_ids]
+    results = runner.verify(seq_ids, trees)
+    used, run = runner.cache._run_of  # the slots of the last forward and their run
+    assert used.tolist() == [0, 1, 2] and run == slice(0, 3)
+    for seq_id, result in zip(seq_ids, results, strict=True):
+        alone = TargetRunner(model, TargetConfig(max_seqs=1, max_len=64))
+        alone.prefill(seq_id, prompts[seq_id], SamplingParams(max_tokens=8))
+        expected = alone.verify([seq_id], [TokenTree.root_only(alone.next_token(seq_id))])[0]
+        assert result.verdict.tokens == expected.verdict.tokens
+        assert result.committed == expected.committed
