@@ -243,6 +243,8 @@ class RemoteBackend:
             failure: Exception = BackendUnavailable(f"verifier: {error.details()}")
             if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 failure = ValueError(error.details())
+            else:  # e.g. past the deadline: the verifier may have prefilled them anyway
+                await self._release_on_verifier(batch)
             for seq in batch:
                 seq.deliver(failure)
             return
@@ -366,6 +368,15 @@ class RemoteBackend:
             seq.hidden_history.append(codec.decode_tensor(result.hidden.tensor))
         if self.drafter is not None:
             self.drafter.learn(seq, result)
+
+    async def _release_on_verifier(self, seqs: list[RemoteSeq]) -> None:
+        """Best effort: free whatever KV slots the verifier holds for these sequences (it
+        releases unknown ids as a no-op)."""
+        request = common_pb2.ReleaseRequest(seq_ids=[s.seq_id for s in seqs])
+        try:
+            await self._verifier.Release(request, timeout=self.config.control_deadline)
+        except grpc.aio.AioRpcError as error:
+            logger.warning("release after a failed prefill: %s", error.details())
 
     async def _release(self, seqs: list[RemoteSeq]) -> None:
         """Forget finished or cancelled sequences in both services (best effort)."""

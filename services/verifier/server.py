@@ -85,6 +85,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 for seq_id in done:
                     self.runner.release(seq_id)
                 raise
+            if not context.is_active():  # the caller gave up (deadline, cancel): keep no slot
+                for seq_id in done:
+                    self.runner.release(seq_id)
+                raise ServiceError(
+                    grpc.StatusCode.CANCELLED, "the caller is gone; its sequences were released"
+                )
             encoded = self.sender.encode(hidden)
             results = [
                 verifier_pb2.PrefillResult(

@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from gateway.backend import GenerationRequest
+from gateway.backend import BackendUnavailable, GenerationRequest
 from gateway.remote import RemoteBackend, RemoteConfig
 from lyanna.drafters import DraftBudget
 from lyanna.drafters.ngram import NgramDrafter
@@ -230,6 +230,37 @@ def test_cancel_releases_both_services(ngram_services) -> None:
     running, capacity, drafter_released = asyncio.run(run())
     assert running == 0 and capacity.free_slots == capacity.total_slots
     assert drafter_released == 0  # the backend already released it
+
+
+def test_a_prefill_past_its_deadline_keeps_no_verifier_slot(ngram_services) -> None:
+    """The gateway gives up on a Prefill (its deadline) that the verifier runs anyway: the
+    gateway releases the batch and the verifier drops a prefill whose caller is gone, so no
+    KV slot leaks (each such prefill used to hold a slot until the verifier restarted)."""
+
+    async def run() -> list[tuple[int, int]]:
+        config = config_for(ngram_services, prefill_deadline=0.001)
+        backend = RemoteBackend(config, frozenset(), lambda ids: "")
+        await backend.start()
+        try:
+            for i in range(3):
+                prompt = [1, 2, 3, 4] * 75  # long enough that the prefill outlives 1 ms
+                request = GenerationRequest(f"d{i}", prompt, SamplingParams(max_tokens=4))
+                with pytest.raises(BackendUnavailable):
+                    async for _ in backend.generate(request):
+                        pass
+            await asyncio.sleep(1.0)  # let the verifier finish whatever it started
+            seen = []
+            for _ in range(3):
+                capacity = await backend._verifier.Capacity(
+                    verifier_pb2.CapacityRequest(), timeout=5
+                )
+                seen.append((capacity.free_slots, capacity.total_slots))
+                await asyncio.sleep(0.1)
+            return seen
+        finally:
+            await backend.stop()
+
+    assert all(free == total for free, total in asyncio.run(run()))
 
 
 def test_killed_drafter_falls_back_then_recovers(tiny_model_dir, tiny_loaded) -> None:
