@@ -6,7 +6,7 @@ PROMPT  ?= Explain speculative decoding in two sentences.
 MODE    ?= services
 SERVE   ?=
 
-.PHONY: install run generate chat test test-fast lint format bench model proto clean
+.PHONY: install run generate chat test test-fast lint format bench model proto prometheus clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -40,7 +40,13 @@ format: $(STAMP)
 	.venv/bin/ruff format .
 	.venv/bin/ruff check --fix .
 
-test: lint model         ## the whole suite, real-model tests included (what CI runs)
+prometheus:              ## the real Prometheus the metrics test scrapes (Debian's package), once
+	@command -v prometheus >/dev/null || { \
+		SUDO=""; [ "$$(id -u)" -eq 0 ] || SUDO=sudo; \
+		$$SUDO apt-get update -qq && \
+		$$SUDO apt-get install -y -qq --no-install-recommends prometheus; }
+
+test: lint model prometheus  ## the whole suite, real-model tests included (what CI runs)
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)      ## skip the slow real-model tests
