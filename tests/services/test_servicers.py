@@ -26,6 +26,12 @@ class Aborted(Exception):
 
 
 class FakeContext:
+    def __init__(self, active: bool = True) -> None:
+        self.active = active  # False: the caller is gone (deadline passed, cancelled)
+
+    def is_active(self) -> bool:
+        return self.active
+
     def abort(self, code: grpc.StatusCode, details: str):
         raise Aborted(code, details)
 
@@ -33,6 +39,16 @@ class FakeContext:
 def verifier() -> VerifierServicer:
     runner = TargetRunner(make_tiny_model(2, vocab_size=16), TargetConfig(max_seqs=2, max_len=128))
     return VerifierServicer(runner, VerifierConfig(max_tree_nodes=32), HiddenSender())
+
+
+def test_verifier_keeps_no_slot_for_a_caller_that_is_gone() -> None:
+    servicer = verifier()
+    item = verifier_pb2.PrefillItem(seq_id=1, prompt_ids=[1, 2, 3])
+    with pytest.raises(Aborted) as aborted:
+        servicer.Prefill(verifier_pb2.PrefillRequest(items=[item]), FakeContext(active=False))
+    assert aborted.value.args[0] == grpc.StatusCode.CANCELLED
+    assert servicer.runner.num_free_slots == 2 and 1 not in servicer.runner
+    prefill(servicer, 1, [1, 2, 3])  # the same id prefills again: nothing was left behind
 
 
 def prefill(servicer: VerifierServicer, seq_id: int, prompt: list[int]) -> int:
