@@ -16,7 +16,7 @@ budget becomes a cap; the tree size is chosen per step.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,3 +99,32 @@ class VerifyCost:
         _, expected, seconds = self.best(gains, max_width, draft_seconds)
         optimistic = expected + frontier_gain
         return optimistic * seconds > expected * (seconds + depth_seconds)
+
+
+@dataclass(slots=True)
+class GainCalibration:
+    """How many tokens a drafter's predicted gains are really worth, learned online: joint
+    draft probability is a fair estimate for the learned drafters (measured: 1.06-1.10
+    accepted per predicted token) and a poor one for n-gram frequencies (0.20). The width
+    choice multiplies gains by ``scale``, which starts at 1 and follows accepted / predicted
+    over recent steps (``decay`` per step; ``prior`` pseudo-tokens at scale 1)."""
+
+    prior: float = 4.0
+    decay: float = 0.98
+    predicted: float = 0.0
+    accepted: float = 0.0
+    pending: float = field(default=0.0)  # predicted gain of the trees awaiting verification
+
+    @property
+    def scale(self) -> float:
+        return (self.accepted + self.prior) / (self.predicted + self.prior)
+
+    def proposed(self, gains: float) -> None:
+        """The summed gains of the nodes just proposed."""
+        self.pending += gains
+
+    def verified(self, accepted: int) -> None:
+        """The draft tokens accepted from them."""
+        self.predicted = self.decay * self.predicted + self.pending
+        self.accepted = self.decay * self.accepted + accepted
+        self.pending = 0.0

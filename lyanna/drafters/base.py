@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from lyanna.tree import DraftNodes, DraftScheme, TokenTree
-from lyanna.tree_cost import VerifyCost
+from lyanna.tree_cost import GainCalibration, VerifyCost
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,15 +33,27 @@ class DraftBudget:
         if self.depth < 1 or self.top_k < 1 or self.max_tokens < 1:
             raise ValueError("depth, top_k and max_tokens must be >= 1")
 
-    def prune(self, nodes: list[DraftNodes], draft_seconds: float = 0.0) -> list[DraftNodes]:
+    def prune(
+        self,
+        nodes: list[DraftNodes],
+        draft_seconds: float = 0.0,
+        calibration: GainCalibration | None = None,
+    ) -> list[DraftNodes]:
         """Cut a step's trees to one width: ``max_tokens``, or with a cost curve the width
         whose expected tokens per second is highest given ``draft_seconds`` already spent
-        drafting them (``VerifyCost.best_width``)."""
+        drafting them (``VerifyCost.best_width``), the gains scaled by ``calibration``
+        (which is told what was proposed)."""
         width = self.max_tokens
-        if self.cost is not None and nodes:
-            gains = [n.ranked_gains() for n in nodes]
-            if all(g is not None for g in gains):
-                width = self.cost.best_width(gains, width, draft_seconds)  # type: ignore[arg-type]
+        if self.cost is None or not nodes:
+            return [n.prune(width) for n in nodes]
+        gains = [n.ranked_gains() for n in nodes]
+        if any(g is None for g in gains):
+            return [n.prune(width) for n in nodes]
+        scale = calibration.scale if calibration is not None else 1.0
+        scaled = [[scale * x for x in g[:width]] for g in gains]  # type: ignore[index]
+        width = self.cost.best_width(scaled, width, draft_seconds)
+        if calibration is not None:
+            calibration.proposed(sum(sum(g[:width]) for g in gains))  # type: ignore[index]
         return [n.prune(width) for n in nodes]
 
 

@@ -33,6 +33,7 @@ from lyanna.drafters.base import DraftBudget
 from lyanna.drafters.scopes import LAYER_SCOPE, LM_HEAD_SCOPE, SOFTMAX_SCOPE
 from lyanna.kv_cache import KVCache
 from lyanna.tree import DraftNodes, DraftScheme, TokenTree
+from lyanna.tree_cost import GainCalibration
 
 
 class RootedState(Protocol):
@@ -65,6 +66,7 @@ class DynamicTreeDrafter:
     rope_sin: torch.Tensor
     _seqs: dict[int, RootedState]
     _depth_seconds: float | None = None  # how long the last draft depth took
+    calibration: GainCalibration  # set by each subclass: what its predicted gains are worth
 
     @torch.inference_mode()
     def propose(self, seq_ids: list[int]) -> list[TokenTree]:
@@ -74,7 +76,8 @@ class DynamicTreeDrafter:
         if behind:
             self._catch_up(behind)
         nodes = self._grow(states, start)
-        return [n.to_tree() for n in self.budget.prune(nodes, time.perf_counter() - start)]
+        elapsed = time.perf_counter() - start
+        return [n.to_tree() for n in self.budget.prune(nodes, elapsed, self.calibration)]
 
     def release(self, seq_id: int) -> None:
         state = self._seqs.pop(seq_id, None)
@@ -196,10 +199,11 @@ class DynamicTreeDrafter:
         if cost is None or depth_seconds is None:
             return True
         cap = self.budget.max_tokens
-        gains = torch.cat(joints, 1).exp().sort(dim=1, descending=True).values[:, :cap]
+        scale = self.calibration.scale
+        gains = torch.cat(joints, 1).exp().sort(dim=1, descending=True).values[:, :cap] * scale
         return cost.worth_drafting_deeper(
             gains.tolist(),
-            float(frontier.exp().sum()),
+            float(frontier.exp().sum()) * scale,
             cap,
             time.perf_counter() - start,
             depth_seconds,

@@ -27,6 +27,7 @@ from lyanna.drafters.scopes import LAYER_SCOPE
 from lyanna.kv_cache import KVCache
 from lyanna.model.cpu_kernels import prepack_linears
 from lyanna.model.transformer import ForwardContext, Transformer
+from lyanna.tree_cost import GainCalibration
 
 
 @dataclass(slots=True)
@@ -51,6 +52,7 @@ class EagleDrafter(DynamicTreeDrafter):
         weight_dtype: torch.dtype | str | None = "auto",  # "auto": draft_weight_dtype(target)
     ) -> None:
         self.budget = budget or DraftBudget()
+        self.calibration = GainCalibration()  # what the predicted gains are worth
         head = head if head is not None else load_eagle_head(DEFAULT_CHECKPOINT)
         self.head = head.float().eval()
         dtype = draft_weight_dtype(target) if weight_dtype == "auto" else weight_dtype
@@ -77,6 +79,7 @@ class EagleDrafter(DynamicTreeDrafter):
         self._catch_up([state])
 
     def on_verified(self, steps: list[VerifiedStep]) -> None:
+        self.calibration.verified(sum(step.num_accepted for step in steps))
         for step in steps:
             state = self._seqs[step.seq_id]
             state.pending_hidden.append(step.hidden)

@@ -29,6 +29,7 @@ from lyanna.kv_cache import KVCache
 from lyanna.model.cpu_kernels import prepack_linears
 from lyanna.model.transformer import ForwardContext, Transformer
 from lyanna.tree import DraftNodes, DraftScheme, TokenTree
+from lyanna.tree_cost import GainCalibration
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "lyanna-smollm2-135m"
 
@@ -70,6 +71,7 @@ class LyannaDrafter:
         prepack_linears(draft, dtype)  # fc and the layer, once, in place: inference only
         self.lm_head = hot_lm_head(draft.embedding, draft.hot_ids, dtype)  # not per step
         self.budget = budget or DraftBudget()
+        self.calibration = GainCalibration()  # what the predicted gains are worth
         self.resample = resample or ResampleConfig()
         layer_config = replace(draft.config.target, num_layers=1)
         self.cache = KVCache(layer_config, max_seqs, max_len + self.budget.depth + 1)
@@ -98,6 +100,7 @@ class LyannaDrafter:
         self.seqs[seq_id] = _SeqState(self.cache.allocate(), first_token, pending, 0)
 
     def on_verified(self, steps: list[VerifiedStep]) -> None:
+        self.calibration.verified(sum(step.num_accepted for step in steps))
         for step in steps:
             state = self.seqs[step.seq_id]
             following = torch.tensor([*step.committed[1:], step.next_token])
@@ -142,7 +145,7 @@ class LyannaDrafter:
                 s.resampled if f is None else f for s, f in zip(states, fresh, strict=True)
             ]
         # fused re-sampled nodes compete with fresh ones for the same verification budget
-        trees = self.budget.prune(candidates, time.perf_counter() - start)
+        trees = self.budget.prune(candidates, time.perf_counter() - start, self.calibration)
         for state, kept, own in zip(states, trees, fresh, strict=True):
             if state.resampled is not None:
                 state.resampled_paths = _token_paths(kept) - (

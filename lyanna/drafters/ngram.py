@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from lyanna.drafters.base import DraftBudget, VerifiedStep
 from lyanna.tree import DraftNodes, DraftScheme, TokenTree
+from lyanna.tree_cost import GainCalibration
 
 MAX_MATCHES = 64  # most recent occurrences of the suffix that feed the trie
 
@@ -35,6 +36,7 @@ class NgramDrafter:
 
     def __init__(self, budget: DraftBudget | None = None, max_n: int = 3) -> None:
         self.budget = budget or DraftBudget()
+        self.calibration = GainCalibration()  # what the predicted gains are worth
         self.max_n = max_n
         self._seqs: dict[int, _History] = {}
 
@@ -44,6 +46,7 @@ class NgramDrafter:
         self._extend(history, [*prompt_ids, first_token])
 
     def on_verified(self, steps: list[VerifiedStep]) -> None:
+        self.calibration.verified(sum(step.num_accepted for step in steps))
         for step in steps:
             # committed[0] is the old root, already in the history
             self._extend(self._seqs[step.seq_id], [*step.committed[1:], step.next_token])
@@ -53,7 +56,7 @@ class NgramDrafter:
 
     def propose(self, seq_ids: list[int]) -> list[TokenTree]:
         nodes = [self._candidates(self._seqs[s]) for s in seq_ids]
-        return [n.to_tree() for n in self.budget.prune(nodes)]
+        return [n.to_tree() for n in self.budget.prune(nodes, calibration=self.calibration)]
 
     def _extend(self, history: _History, new_tokens: list[int]) -> None:
         tokens = history.tokens

@@ -31,6 +31,7 @@ from lyanna.drafters.scopes import LAYER_SCOPE
 from lyanna.kv_cache import KVCache
 from lyanna.model.cpu_kernels import prepack_linears
 from lyanna.model.transformer import ForwardContext, Transformer, rope_tables
+from lyanna.tree_cost import GainCalibration
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "sps-smollm2-135m"
 
@@ -104,6 +105,7 @@ class SpsDrafter(DynamicTreeDrafter):
         # once, in place: the student serves inference only
         prepack_linears(student.layers, weight_dtype)
         self.budget = budget or DraftBudget()
+        self.calibration = GainCalibration()  # what the predicted gains are worth
         self.hot_vocab = hot_vocab
         self.lm_head = hot_lm_head(student.embed_tokens.weight, hot_vocab, weight_dtype)
         self.rope_cos, self.rope_sin = student.rope_cos, student.rope_sin
@@ -127,6 +129,7 @@ class SpsDrafter(DynamicTreeDrafter):
         self._seqs[seq_id] = state
 
     def on_verified(self, steps: list[VerifiedStep]) -> None:
+        self.calibration.verified(sum(step.num_accepted for step in steps))
         for step in steps:
             state = self._seqs[step.seq_id]
             state.pending_tokens += [*step.committed[1:], step.next_token]

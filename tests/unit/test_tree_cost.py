@@ -178,3 +178,23 @@ def test_serving_services_and_spec_bench_draft_the_same_measured_default(
         argparse.Namespace(depth=2, top_k=None, budget=None, tree="fixed"), "ngram", model
     )
     assert fixed.cost is None and (fixed.depth, fixed.top_k) == (2, default.top_k)
+
+
+def test_calibration_learns_what_predicted_gains_are_worth() -> None:
+    from lyanna.tree_cost import GainCalibration
+
+    calibration = GainCalibration()
+    assert calibration.scale == 1.0  # nothing seen yet: trust the draft probabilities
+    for _ in range(200):  # n-gram-like: 5 tokens predicted per step, 1 accepted
+        calibration.proposed(5.0)
+        calibration.verified(1)
+    assert calibration.scale == pytest.approx(0.2, abs=0.02)
+    # an overconfident drafter gets narrower trees: the same nodes, a lower gain each
+    rng = random.Random(3)
+    trees = [random_nodes(rng, 12)]
+    budget = DraftBudget(depth=4, top_k=2, max_tokens=8, cost=linear_curve(1.0, 0.1))
+    trusted = budget.prune(trees)[0].num_drafted
+    doubted = budget.prune(trees, calibration=calibration)[0].num_drafted
+    assert doubted < trusted
+    # the kept nodes' unscaled gains are what the next verification is compared with
+    assert calibration.pending == pytest.approx(sum(trees[0].ranked_gains()[:doubted]))
