@@ -11,9 +11,10 @@ import time
 
 import torch
 
-from bench.common import load_questions, median_seconds, print_table
+from bench.common import load_questions, print_table
 from lyanna.decode import generate
 from lyanna.model import fetch_default_model, load_model
+from lyanna.model.calibrate import forward_seconds
 from lyanna.model.default import gguf_path
 from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence
@@ -24,23 +25,9 @@ NEW_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def forward_table(model, new_tokens: tuple[int, ...] = NEW_TOKENS) -> dict[int, float]:
-    """Median seconds of a forward (+ LM head on every row) over q new tokens, 256 cached."""
-    cache = model.new_cache(1, CACHE_LEN + max(new_tokens) + 1)
-    slot = torch.tensor([cache.allocate()])
-    gen = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, model.config.vocab_size, (1, CACHE_LEN), generator=gen)
-    model(prefix, torch.arange(CACHE_LEN)[None], cache, slot)
-    cache.commit(0, torch.arange(CACHE_LEN))
-    result = {}
-    for q in new_tokens:
-        tokens = torch.randint(0, model.config.vocab_size, (1, q), generator=gen)
-        positions = (CACHE_LEN + torch.arange(q))[None]
-        # a verification forward: all q rows through the LM head (the speculative rows are
-        # dropped again since nothing is committed)
-        result[q] = median_seconds(
-            lambda t=tokens, p=positions: model.logits(model(t, p, cache, slot))
-        )
-    return result
+    """Median seconds of a verification forward (+ LM head on every row) over q new tokens,
+    256 cached (``lyanna.model.calibrate.forward_seconds``, which the cost curve uses too)."""
+    return forward_seconds(model, new_tokens, context=CACHE_LEN)
 
 
 def lean_ar(model, prompts: list[list[int]], max_tokens: int, eos: frozenset[int]) -> float:

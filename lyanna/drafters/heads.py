@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lyanna.model.cpu_kernels import PackedLinear, prepacking_available
-from lyanna.model.quant import Int4Linear
+from lyanna.model.quant import runs_q4
 
 
 class Linear(nn.Module):
@@ -41,4 +41,4 @@ def draft_weight_dtype(target: nn.Module) -> torch.dtype | None:
     ``lyanna.model.calibrate``), else the weights' own. A draft step is bound by reading its
     weights (one layer and an 8k-row head: about 33 MB in fp32 per depth), so half the bytes
     is nearly half the time; drafting stays lossless whatever the drafter computes."""
-    return torch.bfloat16 if any(isinstance(m, Int4Linear) for m in target.modules()) else None
+    return torch.bfloat16 if runs_q4(target) else None

@@ -20,7 +20,7 @@ import torch
 
 from lyanna.model.config import ModelConfig
 from lyanna.model.cpu_kernels import PackedLinear, prepacking_available
-from lyanna.model.quant import GROUP, Int4Linear, Q4Blocks, int4_kernel_available
+from lyanna.model.quant import GROUP, Int4Linear, Q4Blocks, int4_kernel_available, runs_q4
 from lyanna.model.transformer import Transformer
 from lyanna.tree_cost import VerifyCost
 
@@ -152,7 +152,7 @@ def forward_seconds(
 def verify_cost(model: Transformer) -> VerifyCost:
     """The target's forward cost by rows (``COST_ROWS``), measured once per machine, thread
     count, model shape and weight format, then read from the cache."""
-    weights = "q4" if any(isinstance(m, Int4Linear) for m in model.modules()) else "dense"
+    weights = "q4" if runs_q4(model) else "dense"
     device = model.embed_tokens.weight.device
     kind = f"verify_cost|{weights}|{model.dtype}|{device.type}"
 

@@ -37,9 +37,7 @@ class PackedLinear(nn.Module):
             weight.detach().to(self.dtype), PACK_BATCH_HINT
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.dtype:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # .to() is free when dtypes agree
         out = torch.ops.mkldnn._linear_pointwise(
             x.to(self.dtype), self.packed, None, "none", [], ""
         )

@@ -110,3 +110,8 @@ class Int4Linear(nn.Module):
             flat, self.packed, GROUP, self.scales_and_zeros
         )
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
+def runs_q4(model: nn.Module) -> bool:
+    """Whether ``model`` runs 4-bit weights (any ``Int4Linear`` in it)."""
+    return any(isinstance(m, Int4Linear) for m in model.modules())
