@@ -68,7 +68,10 @@ class RemoteSeq:
     def start_item(self, needs_hidden: bool) -> drafter_pb2.StartItem:
         """Start the drafter from everything committed so far (also the first start)."""
         item = drafter_pb2.StartItem(
-            ref=self.ref(), prompt_ids=self.history, first_token=self.next_token
+            ref=self.ref(),
+            prompt_ids=self.history,
+            first_token=self.next_token,
+            params=codec.encode_params(self.sequence.params),
         )
         if needs_hidden:
             rows = torch.cat(self.hidden_history)  # [num_committed, hidden]

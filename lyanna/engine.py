@@ -126,7 +126,7 @@ class SpecEngine:
             if not seq.finished:
                 start = time.perf_counter()
                 prompt_hidden = prefilled.hidden if self.drafter.needs_hidden else None
-                self.drafter.start(seq.seq_id, seq.prompt_ids, prompt_hidden, first)
+                self.drafter.start(seq.seq_id, seq.prompt_ids, prompt_hidden, first, seq.params)
                 self.stats.draft_seconds += time.perf_counter() - start
         return emitted
 

@@ -8,6 +8,7 @@ that processing lives. Temperature 0 means greedy: the distribution is a one-hot
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -54,12 +55,15 @@ class SamplingParams:
 
 def logits_to_probs(
     logits: torch.Tensor,  # [..., vocab]
-    temperature: float,
-    top_p: float = 1.0,
+    temperature: float | torch.Tensor,  # or one per row: [..., 1]
+    top_p: float | torch.Tensor = 1.0,  # or one per row: [..., 1]
 ) -> torch.Tensor:  # [..., vocab] float32
     """Processed next-token distribution: one-hot argmax at temperature 0, else softmax(l/T)
-    restricted to the top-p nucleus and renormalised."""
+    restricted to the top-p nucleus and renormalised. Per-row settings (tensors) let a
+    drafter process a batch of sequences with different requests in one call."""
     logits = logits.float()
+    if isinstance(temperature, torch.Tensor) or isinstance(top_p, torch.Tensor):
+        return _per_row_probs(logits, torch.as_tensor(temperature), torch.as_tensor(top_p))
     if temperature == 0.0:
         probs = torch.zeros_like(logits)
         probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
@@ -70,13 +74,49 @@ def logits_to_probs(
     return probs
 
 
-def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches ``top_p``."""
+def _top_p_filter(probs: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches ``top_p`` (a float, or
+    one per row as [..., 1]; a row with top_p = 1 is left whole)."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+    cut = mass_before >= top_p
+    if isinstance(top_p, torch.Tensor):
+        cut &= top_p < 1.0
+    sorted_probs = sorted_probs.masked_fill(cut, 0.0)
     filtered = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return filtered / filtered.sum(dim=-1, keepdim=True)
+
+
+def _per_row_probs(
+    logits: torch.Tensor,  # [..., vocab] float32
+    temperature: torch.Tensor,  # [..., 1] (broadcast)
+    top_p: torch.Tensor,  # [..., 1] (broadcast)
+) -> torch.Tensor:  # [..., vocab]
+    """`logits_to_probs` with per-row settings: the same operations, row by row."""
+    temperature = temperature.float()
+    greedy = temperature == 0.0
+    probs = torch.softmax(logits / torch.where(greedy, 1.0, temperature), dim=-1)
+    if bool((top_p < 1.0).any()):
+        probs = _top_p_filter(probs, top_p)
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy, one_hot, probs)
+    return probs
+
+
+def sample_distinct(
+    probs: torch.Tensor,  # [..., vocab] rows summing to 1
+    k: int,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:  # [..., k] int64
+    """k distinct tokens per row drawn without replacement, in drawing order (Gumbel-top-k:
+    the k largest of log p - log E, E ~ Exp(1), are a sequential draw without replacement).
+    Rows with fewer than k possible tokens pad with zero-probability tokens, which callers
+    drop (the draw cannot produce them)."""
+    noise = torch.empty(probs.shape, dtype=torch.float64).exponential_(generator=generator)
+    keys = probs.double().log() - noise.log()
+    keys = keys.masked_fill(probs <= 0, -math.inf)
+    return keys.topk(k, dim=-1).indices
 
 
 def sample(

@@ -85,6 +85,28 @@ class VerifyCost:
                 best = (width, expected, seconds)
         return best
 
+    def first_peak_width(
+        self,
+        gains: Sequence[Sequence[float]],  # per tree: its nodes' gains in pruning order
+        max_width: int,
+        draft_seconds: float = 0.0,
+    ) -> int:
+        """Widen while each next width raises the rate; stop at the first that does not.
+        Unlike ``best_width`` it never looks past the width it decides on, so whether a node
+        is kept depends only on the nodes before it in pruning order: what sampled trees
+        need (see ``DraftNodes``), whose gains need not decrease along that order."""
+        batch = len(gains)
+        if batch == 0:
+            return 0
+        expected, seconds = float(batch), draft_seconds + self.forward_seconds(batch)
+        for width in range(1, max_width + 1):
+            more = expected + sum(g[width - 1] for g in gains if len(g) >= width)
+            more_seconds = draft_seconds + self.forward_seconds(batch * (width + 1))
+            if more * seconds <= expected * more_seconds:
+                return width - 1
+            expected, seconds = more, more_seconds
+        return max_width
+
     def worth_drafting_deeper(
         self,
         gains: Sequence[Sequence[float]],  # per tree: the gains of the nodes drafted so far

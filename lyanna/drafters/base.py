@@ -9,11 +9,13 @@ of the last verification), which is the root of the next tree.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
+from lyanna.sampling import SamplingParams
 from lyanna.tree import DraftNodes, DraftScheme, TokenTree
 from lyanna.tree_cost import GainCalibration, VerifyCost
 
@@ -37,23 +39,32 @@ class DraftBudget:
         self,
         nodes: list[DraftNodes],
         draft_seconds: float = 0.0,
-        calibration: GainCalibration | None = None,
+        calibration: GainCalibration | Sequence[GainCalibration] | None = None,
     ) -> list[DraftNodes]:
         """Cut a step's trees to one width: ``max_tokens``, or with a cost curve the width
         whose expected tokens per second is highest given ``draft_seconds`` already spent
-        drafting them (``VerifyCost.best_width``), the gains scaled by ``calibration``
-        (which is told what was proposed)."""
+        drafting them (``VerifyCost.best_width``), the gains scaled by ``calibration`` (one,
+        or one per tree; each is told what its trees proposed). A batch holding a sampled
+        tree takes the first width that stops paying (``first_peak_width``): looking further
+        ahead would keep a sampled node for what its own draw led to."""
         width = self.max_tokens
         if self.cost is None or not nodes:
             return [n.prune(width) for n in nodes]
         gains = [n.ranked_gains() for n in nodes]
         if any(g is None for g in gains):
             return [n.prune(width) for n in nodes]
-        scale = calibration.scale if calibration is not None else 1.0
-        scaled = [[scale * x for x in g[:width]] for g in gains]  # type: ignore[index]
-        width = self.cost.best_width(scaled, width, draft_seconds)
-        if calibration is not None:
-            calibration.proposed(sum(sum(g[:width]) for g in gains))  # type: ignore[index]
+        calibrations = (
+            list(calibration) if isinstance(calibration, Sequence) else [calibration] * len(nodes)
+        )
+        scales = [c.scale if c is not None else 1.0 for c in calibrations]
+        scaled = [[s * x for x in g[:width]] for s, g in zip(scales, gains, strict=True)]  # type: ignore[index]
+        if any(n.sampled for n in nodes):
+            width = self.cost.first_peak_width(scaled, width, draft_seconds)
+        else:
+            width = self.cost.best_width(scaled, width, draft_seconds)
+        for c, g in zip(calibrations, gains, strict=True):
+            if c is not None:
+                c.proposed(sum(g[:width]))  # type: ignore[index]
         return [n.prune(width) for n in nodes]
 
 
@@ -83,6 +94,7 @@ class Drafter(Protocol):
         prompt_ids: list[int],
         prompt_hidden: torch.Tensor | None,  # [len(prompt_ids), hidden]
         first_token: int,
+        params: SamplingParams | None = None,  # the request's; sampling drafters use it
     ) -> None: ...
 
     def propose(self, seq_ids: list[int]) -> list[TokenTree]: ...
@@ -101,7 +113,7 @@ class NoDrafter:
     def __init__(self) -> None:
         self._roots: dict[int, int] = {}
 
-    def start(self, seq_id, prompt_ids, prompt_hidden, first_token) -> None:
+    def start(self, seq_id, prompt_ids, prompt_hidden, first_token, params=None) -> None:
         self._roots[seq_id] = first_token
 
     def propose(self, seq_ids: list[int]) -> list[TokenTree]:

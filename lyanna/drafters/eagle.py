@@ -27,7 +27,6 @@ from lyanna.drafters.scopes import LAYER_SCOPE
 from lyanna.kv_cache import KVCache
 from lyanna.model.cpu_kernels import prepack_linears
 from lyanna.model.transformer import ForwardContext, Transformer
-from lyanna.tree_cost import GainCalibration
 
 
 @dataclass(slots=True)
@@ -49,10 +48,11 @@ class EagleDrafter(DynamicTreeDrafter):
         budget: DraftBudget | None = None,
         max_sequences: int = 16,
         max_len: int = 4096,
+        sample_drafts: bool = True,  # at T > 0: children drawn without replacement
         weight_dtype: torch.dtype | str | None = "auto",  # "auto": draft_weight_dtype(target)
     ) -> None:
         self.budget = budget or DraftBudget()
-        self.calibration = GainCalibration()  # what the predicted gains are worth
+        self._init_sampling(sample_drafts)
         head = head if head is not None else load_eagle_head(DEFAULT_CHECKPOINT)
         self.head = head.float().eval()
         dtype = draft_weight_dtype(target) if weight_dtype == "auto" else weight_dtype
@@ -69,7 +69,8 @@ class EagleDrafter(DynamicTreeDrafter):
     # -- Drafter protocol --------------------------------------------------------------
 
     @torch.inference_mode()
-    def start(self, seq_id, prompt_ids, prompt_hidden, first_token) -> None:
+    def start(self, seq_id, prompt_ids, prompt_hidden, first_token, params=None) -> None:
+        self._start_sampling(seq_id, params)
         if prompt_hidden is None:
             raise ValueError("the EAGLE drafter needs the prompt's hidden states")
         state = _DraftState(slot=self.cache.allocate(), root=first_token, root_state=None)
@@ -79,7 +80,7 @@ class EagleDrafter(DynamicTreeDrafter):
         self._catch_up([state])
 
     def on_verified(self, steps: list[VerifiedStep]) -> None:
-        self.calibration.verified(sum(step.num_accepted for step in steps))
+        self._learn_acceptance(steps)
         for step in steps:
             state = self._seqs[step.seq_id]
             state.pending_hidden.append(step.hidden)

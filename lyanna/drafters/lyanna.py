@@ -93,7 +93,7 @@ class LyannaDrafter:
 
     # -- Drafter protocol ------------------------------------------------------------------
 
-    def start(self, seq_id, prompt_ids, prompt_hidden, first_token) -> None:
+    def start(self, seq_id, prompt_ids, prompt_hidden, first_token, params=None) -> None:
         following = torch.tensor([*prompt_ids[1:], first_token])
         with torch.inference_mode():
             pending = self.draft.fuse(prompt_hidden, following)

@@ -40,7 +40,7 @@ class NgramDrafter:
         self.max_n = max_n
         self._seqs: dict[int, _History] = {}
 
-    def start(self, seq_id, prompt_ids, prompt_hidden, first_token) -> None:
+    def start(self, seq_id, prompt_ids, prompt_hidden, first_token, params=None) -> None:
         history = _History([], defaultdict(list))
         self._seqs[seq_id] = history
         self._extend(history, [*prompt_ids, first_token])

@@ -31,7 +31,6 @@ from lyanna.drafters.scopes import LAYER_SCOPE
 from lyanna.kv_cache import KVCache
 from lyanna.model.cpu_kernels import prepack_linears
 from lyanna.model.transformer import ForwardContext, Transformer, rope_tables
-from lyanna.tree_cost import GainCalibration
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "sps-smollm2-135m"
 
@@ -99,13 +98,14 @@ class SpsDrafter(DynamicTreeDrafter):
         budget: DraftBudget | None = None,
         max_sequences: int = 16,
         max_len: int = 4096,
+        sample_drafts: bool = True,  # at T > 0: children drawn without replacement
         weight_dtype: torch.dtype | None = None,  # e.g. bf16 (see heads.draft_weight_dtype)
     ) -> None:
         self.student = student
         # once, in place: the student serves inference only
         prepack_linears(student.layers, weight_dtype)
         self.budget = budget or DraftBudget()
-        self.calibration = GainCalibration()  # what the predicted gains are worth
+        self._init_sampling(sample_drafts)
         self.hot_vocab = hot_vocab
         self.lm_head = hot_lm_head(student.embed_tokens.weight, hot_vocab, weight_dtype)
         self.rope_cos, self.rope_sin = student.rope_cos, student.rope_sin
@@ -123,13 +123,14 @@ class SpsDrafter(DynamicTreeDrafter):
 
     # -- Drafter protocol --------------------------------------------------------------
 
-    def start(self, seq_id, prompt_ids, prompt_hidden, first_token) -> None:
+    def start(self, seq_id, prompt_ids, prompt_hidden, first_token, params=None) -> None:
+        self._start_sampling(seq_id, params)
         state = _DraftState(slot=self.cache.allocate(), root=first_token)
         state.pending_tokens = [*prompt_ids, first_token]
         self._seqs[seq_id] = state
 
     def on_verified(self, steps: list[VerifiedStep]) -> None:
-        self.calibration.verified(sum(step.num_accepted for step in steps))
+        self._learn_acceptance(steps)
         for step in steps:
             state = self._seqs[step.seq_id]
             state.pending_tokens += [*step.committed[1:], step.next_token]

@@ -129,7 +129,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     raise invalid(f"sequence {seq_id}: num_committed must equal the prompt length")
                 self._check_tokens([*prompt, item.first_token])
                 hidden = self._hidden(item, "prompt_hidden", len(prompt))
-                self.drafter.start(seq_id, prompt, hidden, item.first_token)
+                params = codec.decode_params(item.params) if item.HasField("params") else None
+                self.drafter.start(seq_id, prompt, hidden, item.first_token, params)
                 self._committed[seq_id] = len(prompt)
             self.receiver.end_batch()
         return drafter_pb2.StartResponse(num_started=len(request.items))

@@ -27,8 +27,8 @@ class SlowDrafter:
         self.delay_seconds = delay_seconds
         self.scheme, self.needs_hidden = inner.scheme, inner.needs_hidden
 
-    def start(self, seq_id, prompt_ids, prompt_hidden, first_token) -> None:
-        self.inner.start(seq_id, prompt_ids, prompt_hidden, first_token)
+    def start(self, seq_id, prompt_ids, prompt_hidden, first_token, params=None) -> None:
+        self.inner.start(seq_id, prompt_ids, prompt_hidden, first_token, params)
 
     def propose(self, seq_ids: list[int]) -> list[TokenTree]:
         time.sleep(self.delay_seconds)

@@ -10,7 +10,7 @@ the first `max_depth + 1` emitted tokens next to the target's own law.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -167,12 +167,24 @@ def check_rule(
     depth = [0] * len(parents)
     for i in range(1, len(parents)):
         depth[i] = depth[parents[i]] + 1
-    length = max(depth) + 1
+    trees = (
+        (draft_tree(tokens, parents, tree_scheme or scheme, draft, target)[0], prob)
+        for tokens, prob in enumerate_drafts(draft, parents, scheme)
+    )
+    return check_trees(rule, target, trees, length=max(depth) + 1)
+
+
+def check_trees(
+    rule, target: ToyModel, trees: Iterable[tuple[TokenTree, float]], length: int
+) -> LawCheck:
+    """Exact law of the first `length` emitted tokens when a drafter proposes each tree (its
+    root is ROOT, its draft rows set) with the given probability, vs the target's."""
     continuation = _TargetContinuation(target, length)
     law = torch.zeros((target.vocab,) * length, dtype=torch.float64)
     total, expected = 0.0, 0.0
-    for tokens, draft_prob in enumerate_drafts(draft, parents, scheme):
-        tree, target_probs = draft_tree(tokens, parents, tree_scheme or scheme, draft, target)
+    for tree, draft_prob in trees:
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        target_probs = torch.stack([target.probs(p) for p in _prefixes(tokens, parents)])
         for branch in rule.branches(tree, target_probs):
             mass = draft_prob * branch.probability
             if mass == 0.0:
