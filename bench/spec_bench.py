@@ -17,7 +17,7 @@ import json
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from bench.common import (
@@ -152,12 +152,14 @@ def run_methods(
     log: bool = True,
     factories: Mapping[str, Callable[[], Drafter]] | None = None,
     reference: ArReference | None = None,
+    rules: Mapping[str, str] | None = None,
 ) -> dict[str, dict]:
     """Every method over every prompt, the methods taking turns on each batch. AR runs
     first on each (speedups and mismatches are against it) unless a filled ``reference``
     from an earlier run with the same batch size is given; an empty ``reference`` is filled.
     ``budget_of(method)`` gives a registry method's tree budget; ``factories`` builds
-    drafters the registry does not name (e.g. ablation checkpoints)."""
+    drafters the registry does not name (e.g. ablation checkpoints); ``rules`` a method's
+    acceptance rule at temperature > 0 (default: its trees' scheme default)."""
     factories = factories or {}
     reference = reference if reference is not None else ArReference()
     methods = [m for m in dict.fromkeys(methods) if m != "ar"]
@@ -177,7 +179,8 @@ def run_methods(
             if method in factories
             else make_drafter(method, setup.model, budget_of(method))
         )
-        engines[method] = lambda d=drafter: SpecEngine(setup.model, d, config)
+        method_config = replace(config, rule=(rules or {}).get(method))
+        engines[method] = lambda d=drafter, c=method_config: SpecEngine(setup.model, d, c)
         run_batch(engines[method], [warmup_prompt], SamplingParams(max_tokens=16), setup.eos)
     overall = {m: Tally() for m in methods}
     per_cat: dict[str, dict] = {m: {} for m in methods}

@@ -22,19 +22,18 @@ computes); its per-sequence states (``_seqs``) follow ``RootedState``.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import nn
 from torch.profiler import record_function
 
-from lyanna.drafters.base import DraftBudget, VerifiedStep
-from lyanna.drafters.scopes import LAYER_SCOPE, LM_HEAD_SCOPE, SAMPLE_SCOPE, SOFTMAX_SCOPE
+from lyanna.drafters.base import DraftBudget
+from lyanna.drafters.sampled import DraftSampling, SampledDrafting, SampledTrees, head_children
+from lyanna.drafters.scopes import LAYER_SCOPE
 from lyanna.kv_cache import KVCache
-from lyanna.sampling import SamplingParams, logits_to_probs, sample_distinct
-from lyanna.tree import DraftNodes, DraftScheme, TokenTree
-from lyanna.tree_cost import GainCalibration
+from lyanna.tree import DraftNodes, TokenTree
 
 
 class RootedState(Protocol):
@@ -57,44 +56,7 @@ class TreeContext:
     mask: torch.Tensor  # [B, 1, q, kv_len] bool
 
 
-@dataclass(slots=True)
-class DraftSampling:
-    """How one sequence's children are drawn at temperature > 0: the request's processing and
-    the drafter's own generator (seeded from the request's seed, so a seeded request drafts,
-    and therefore decodes, the same way every time)."""
-
-    temperature: float
-    top_p: float
-    generator: torch.Generator
-
-    @classmethod
-    def of(cls, params: SamplingParams | None) -> DraftSampling | None:
-        """None for greedy (or unknown) requests: they draft top-k trees."""
-        if params is None or params.greedy:
-            return None
-        generator = torch.Generator()
-        if params.seed is None:
-            generator.seed()
-        else:  # a stream apart from the target's, which uses the seed itself
-            generator.manual_seed((params.seed + 0x9E3779B97F4A7C15) % 2**64)
-        return cls(params.temperature, params.top_p, generator)
-
-
-@dataclass(slots=True, eq=False)
-class _Children:
-    """One expansion's children: [B, n, k] log draft probabilities and token ids, and for the
-    sampled sequences (``sampled`` rows of the batch) the processed rows they were drawn from
-    [S, n, num_hot] and each row's k largest probabilities [S, n, k]."""
-
-    logq: torch.Tensor
-    tokens: torch.Tensor
-    sampled: list[int]
-    rows: torch.Tensor | None = None
-    top: torch.Tensor | None = None
-
-
-class DynamicTreeDrafter:
-    sample_drafts: bool = True  # at T > 0: draw children without replacement (else top-k)
+class DynamicTreeDrafter(SampledDrafting):
     budget: DraftBudget
     cache: KVCache
     hot_vocab: torch.Tensor  # [num_hot] int64
@@ -103,26 +65,6 @@ class DynamicTreeDrafter:
     rope_sin: torch.Tensor
     _seqs: dict[int, RootedState]
     _depth_seconds: float | None = None  # how long the last draft depth took
-    calibration: GainCalibration  # set by each subclass: what its predicted gains are worth
-    sampled_calibration: GainCalibration  # the same for sampled trees (other gains)
-    _sampling: dict[int, DraftSampling]  # sequences that sample: how
-
-    def _init_sampling(self, sample_drafts: bool) -> None:
-        self.sample_drafts = sample_drafts
-        self.calibration = GainCalibration()
-        self.sampled_calibration = GainCalibration()
-        self._sampling = {}
-
-    @property
-    def scheme(self) -> DraftScheme:
-        """How trees are drafted at temperature > 0 (greedy requests get top-k trees, which
-        every rule verifies at temperature 0)."""
-        return DraftScheme.WITHOUT_REPLACEMENT if self.sample_drafts else DraftScheme.TOPK
-
-    def _start_sampling(self, seq_id: int, params: SamplingParams | None) -> None:
-        draw = DraftSampling.of(params) if self.sample_drafts else None
-        if draw is not None:
-            self._sampling[seq_id] = draw
 
     @torch.inference_mode()
     def propose(self, seq_ids: list[int]) -> list[TokenTree]:
@@ -131,25 +73,15 @@ class DynamicTreeDrafter:
         behind = [s for s in states if s.pending_tokens]
         if behind:
             self._catch_up(behind)
-        draws = [self._sampling.get(s) for s in seq_ids]
+        draws = self._draws(seq_ids)
         nodes = self._grow(states, start, draws)
         elapsed = time.perf_counter() - start
         calibrations = [self._calibration_of(s) for s in seq_ids]
         return [n.to_tree() for n in self.budget.prune(nodes, elapsed, calibrations)]
 
-    def _calibration_of(self, seq_id: int) -> GainCalibration:
-        return self.sampled_calibration if seq_id in self._sampling else self.calibration
-
-    def _learn_acceptance(self, steps: list[VerifiedStep]) -> None:
-        """Tell each calibration how many of its trees' tokens were accepted."""
-        for calibration in (self.calibration, self.sampled_calibration):
-            mine = [s for s in steps if self._calibration_of(s.seq_id) is calibration]
-            if mine:
-                calibration.verified(sum(s.num_accepted for s in mine))
-
     def release(self, seq_id: int) -> None:
         state = self._seqs.pop(seq_id, None)
-        self._sampling.pop(seq_id, None)
+        self._stop_sampling(seq_id)
         if state is not None:
             self.cache.release(state.slot)
 
@@ -201,41 +133,8 @@ class DynamicTreeDrafter:
     def _top_children(self, states: torch.Tensor, k: int):
         """states [B, n, d] -> (log probs [B, n, k], token ids [B, n, k]) of the top-k hot
         tokens of each node."""
-        return self._logits_and_top(states, k)[1:]
-
-    def _logits_and_top(self, states: torch.Tensor, k: int):
-        with record_function(LM_HEAD_SCOPE):
-            logits = self.lm_head(states).float()
-        with record_function(SOFTMAX_SCOPE):
-            log_probs = logits.log_softmax(-1)
-        top = log_probs.topk(k, dim=-1)
-        return logits, top.values, self.hot_vocab[top.indices]
-
-    def _children(
-        self,
-        states: torch.Tensor,  # [B, n, d]
-        k: int,
-        draws: list[DraftSampling | None],  # per sequence: None = top-k
-    ) -> _Children:
-        """Each node's k children: its top-k hot tokens, or for a sampling sequence k tokens
-        drawn without replacement from its processed row."""
-        logits, logq, tokens = self._logits_and_top(states, k)
-        sampled = [b for b, draw in enumerate(draws) if draw is not None]
-        if not sampled:
-            return _Children(logq, tokens, sampled)
-        with record_function(SAMPLE_SCOPE):
-            chosen = torch.tensor(sampled)
-            temperature = torch.tensor([draws[b].temperature for b in sampled])
-            top_p = torch.tensor([draws[b].top_p for b in sampled])
-            rows = logits_to_probs(logits[chosen], temperature[:, None, None], top_p[:, None, None])
-            picks = torch.stack(
-                [sample_distinct(rows[i], k, draws[b].generator) for i, b in enumerate(sampled)]
-            )  # [S, n, k] hot columns, in drawing order
-            logq, tokens = logq.clone(), tokens.clone()
-            logq[chosen] = rows.gather(-1, picks).log()
-            tokens[chosen] = self.hot_vocab[picks]
-            top = rows.topk(k, dim=-1).values
-        return _Children(logq, tokens, sampled, rows, top)
+        children = head_children(self.lm_head, states, k, [None] * states.shape[0])
+        return children.values, self.hot_vocab[children.columns]
 
     def _grow(
         self,
@@ -256,9 +155,10 @@ class DynamicTreeDrafter:
         slots = torch.tensor([s.slot for s in states])
         lengths = self.cache.lengths[slots].clone()
         root_states = torch.stack([s.root_state for s in states])[:, None]  # [B, 1, d]
-        children = self._children(root_states, k, draws)  # [B, 1, k]
-        sampled = _SampledTrees(children, torch.zeros(B, 1, dtype=torch.int64), torch.zeros(B, 1))
-        child_logq, child_tokens = children.logq, children.tokens
+        children = head_children(self.lm_head, root_states, k, draws)  # [B, 1, k]
+        sampled = SampledTrees(children.sampled)
+        sampled.add(children, torch.zeros(B, 1, dtype=torch.int64), torch.zeros(B, 1))
+        child_logq, child_tokens = children.values, self.hot_vocab[children.columns]
         tokens = [torch.tensor([[s.root] for s in states]), child_tokens[:, 0]]  # blocks
         parents = [torch.full((B, 1), -1), torch.zeros(B, k, dtype=torch.int64)]
         logq = [torch.zeros(B, 1), child_logq[:, 0]]  # log draft probability of each token
@@ -280,9 +180,9 @@ class DynamicTreeDrafter:
             out = self._tree_forward(
                 lengths, slots, depth, frontier_states, frontier_tokens, visible[..., : depth * k]
             )
-            children = self._children(out, k, draws)  # [B, k, k]
+            children = head_children(self.lm_head, out, k, draws)  # [B, k, k]
             sampled.add(children, frontier, joint)
-            child_logq, child_tokens = children.logq, children.tokens
+            child_logq, child_tokens = children.values, self.hot_vocab[children.columns]
             tokens.append(child_tokens.reshape(B, k * k))
             parents.append(frontier.repeat_interleave(k, dim=1))
             logq.append(child_logq.reshape(B, k * k))
@@ -305,7 +205,7 @@ class DynamicTreeDrafter:
         joints: list[torch.Tensor],
         frontier: torch.Tensor,
         start: float,
-        sampled: _SampledTrees | None = None,
+        sampled: SampledTrees | None = None,
     ) -> bool:
         """Another depth, unless the cost curve says it cannot pay (always without one, and
         until one depth has been timed). Sampled trees are judged by their own gains; the
@@ -344,48 +244,3 @@ def _nodes(
             zip(tokens.tolist(), parents.tolist(), strict=True)
         )
     ]
-
-
-class _SampledTrees:
-    """The sampled sequences' extra facts while a tree grows: which nodes were expanded, the
-    processed rows their children were drawn from, and each child's gain (parent's joint
-    probability times the parent row's k largest probabilities, by drawing position)."""
-
-    def __init__(
-        self,
-        root: _Children,  # the root expansion
-        expanded: torch.Tensor,  # [B, 1] node index of the expanded node (the root)
-        parent_joint: torch.Tensor,  # [B, 1] its log joint probability
-    ) -> None:
-        self.batch = root.sampled
-        self.rows: list[torch.Tensor] = []  # per expansion: [S, n, num_hot]
-        self.expanded: list[torch.Tensor] = []  # per expansion: [S, n] node indices
-        self.child_gains: list[torch.Tensor] = [torch.zeros(len(self.batch), 1)]  # root: 0
-        self.add(root, expanded, parent_joint)
-
-    def add(self, children: _Children, expanded: torch.Tensor, parent_joint: torch.Tensor) -> None:
-        if not self.batch:
-            return
-        chosen = torch.tensor(self.batch)
-        self.rows.append(children.rows)
-        self.expanded.append(expanded[chosen])
-        gains = parent_joint[chosen].exp()[:, :, None] * children.top  # [S, n, k]
-        self.child_gains.append(gains.reshape(len(self.batch), -1))
-
-    def gains(self) -> torch.Tensor:  # [S, num_nodes] (root: 0)
-        return torch.cat(self.child_gains, 1)
-
-    def attach(self, nodes: list[DraftNodes], hot_vocab: torch.Tensor) -> list[DraftNodes]:
-        """``nodes`` with the sampled sequences' rows and gains attached."""
-        if not self.batch:
-            return nodes
-        gains = self.gains().double().tolist()
-        rows = torch.cat(self.rows, 1)  # [S, expansions, num_hot]
-        expanded = torch.cat(self.expanded, 1)  # [S, expansions]
-        for i, b in enumerate(self.batch):
-            node_rows = rows.new_zeros(len(nodes[b].tokens), rows.shape[-1])
-            node_rows[expanded[i]] = rows[i]
-            nodes[b] = replace(
-                nodes[b], draft_rows=node_rows, vocab_index=hot_vocab, gains=gains[i]
-            )
-        return nodes

@@ -23,13 +23,13 @@ from lyanna.drafters.base import DraftBudget, VerifiedStep
 from lyanna.drafters.checkpoint import read_checkpoint
 from lyanna.drafters.heads import draft_weight_dtype, hot_lm_head
 from lyanna.drafters.lyanna_model import LyannaDraftConfig, LyannaDraftModel
+from lyanna.drafters.sampled import DraftSampling, SampledDrafting
 from lyanna.drafters.scopes import LAYER_SCOPE, LM_HEAD_SCOPE
 from lyanna.drafters.token_info_tree import build_subtrees, resample_subtree
 from lyanna.kv_cache import KVCache
 from lyanna.model.cpu_kernels import prepack_linears
 from lyanna.model.transformer import ForwardContext, Transformer
-from lyanna.tree import DraftNodes, DraftScheme, TokenTree
-from lyanna.tree_cost import GainCalibration
+from lyanna.tree import DraftNodes, TokenTree
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "lyanna-smollm2-135m"
 
@@ -52,8 +52,11 @@ class _SeqState:
     resampled_paths: frozenset[tuple[int, ...]] = frozenset()  # token paths only it proposed
 
 
-class LyannaDrafter:
-    scheme = DraftScheme.TOPK
+class LyannaDrafter(SampledDrafting):
+    """At temperature > 0 the fresh tree's children are drawn without replacement (a
+    WITHOUT_REPLACEMENT tree, ``lyanna.drafters.sampled``); a re-sampled subtree stays top-k,
+    so a step that fuses one proposes a TOPK union, verified by the deterministic rule."""
+
     needs_hidden = True
 
     def __init__(
@@ -65,13 +68,14 @@ class LyannaDrafter:
         max_seqs: int = 16,
         max_len: int = 4096,
         weight_dtype: torch.dtype | str | None = "auto",  # "auto": draft_weight_dtype(target)
+        sample_drafts: bool = True,  # at T > 0: children drawn without replacement
     ) -> None:
         self.draft = draft.eval()
         dtype = draft_weight_dtype(target) if weight_dtype == "auto" else weight_dtype
         prepack_linears(draft, dtype)  # fc and the layer, once, in place: inference only
         self.lm_head = hot_lm_head(draft.embedding, draft.hot_ids, dtype)  # not per step
         self.budget = budget or DraftBudget()
-        self.calibration = GainCalibration()  # what the predicted gains are worth
+        self._init_sampling(sample_drafts)  # and the gain calibrations
         self.resample = resample or ResampleConfig()
         layer_config = replace(draft.config.target, num_layers=1)
         self.cache = KVCache(layer_config, max_seqs, max_len + self.budget.depth + 1)
@@ -94,13 +98,14 @@ class LyannaDrafter:
     # -- Drafter protocol ------------------------------------------------------------------
 
     def start(self, seq_id, prompt_ids, prompt_hidden, first_token, params=None) -> None:
+        self._start_sampling(seq_id, params)
         following = torch.tensor([*prompt_ids[1:], first_token])
         with torch.inference_mode():
             pending = self.draft.fuse(prompt_hidden, following)
         self.seqs[seq_id] = _SeqState(self.cache.allocate(), first_token, pending, 0)
 
     def on_verified(self, steps: list[VerifiedStep]) -> None:
-        self.calibration.verified(sum(step.num_accepted for step in steps))
+        self._learn_acceptance(steps)
         for step in steps:
             state = self.seqs[step.seq_id]
             following = torch.tensor([*step.committed[1:], step.next_token])
@@ -125,6 +130,7 @@ class LyannaDrafter:
 
     def release(self, seq_id: int) -> None:
         state = self.seqs.pop(seq_id, None)
+        self._stop_sampling(seq_id)
         if state is not None:
             self.cache.release(state.slot)
 
@@ -132,20 +138,23 @@ class LyannaDrafter:
         start = time.perf_counter()
         states = [self.seqs[s] for s in seq_ids]
         if self.resample.fusion:
-            fresh = self._fresh_trees(states)
+            fresh = self._fresh_trees(states, self._draws(seq_ids))
             candidates = [
                 nodes if s.resampled is None else nodes.merge(s.resampled)
                 for s, nodes in zip(states, fresh, strict=True)
             ]
         else:  # a re-sampled subtree is verified alone, in the step after its rejection
-            drafting = [s for s in states if s.resampled is None]
-            new = iter(self._fresh_trees(drafting) if drafting else [])
+            drafting = [i for i, s in enumerate(states) if s.resampled is None]
+            drafted = [states[i] for i in drafting]
+            draws = self._draws([seq_ids[i] for i in drafting])
+            new = iter(self._fresh_trees(drafted, draws) if drafting else [])
             fresh = [None if s.resampled is not None else next(new) for s in states]
             candidates = [
                 s.resampled if f is None else f for s, f in zip(states, fresh, strict=True)
             ]
         # fused re-sampled nodes compete with fresh ones for the same verification budget
-        trees = self.budget.prune(candidates, time.perf_counter() - start, self.calibration)
+        calibrations = [self._calibration_of(s) for s in seq_ids]
+        trees = self.budget.prune(candidates, time.perf_counter() - start, calibrations)
         for state, kept, own in zip(states, trees, fresh, strict=True):
             if state.resampled is not None:
                 state.resampled_paths = _token_paths(kept) - (
@@ -163,7 +172,9 @@ class LyannaDrafter:
             )
 
     @torch.inference_mode()
-    def _fresh_trees(self, states: list[_SeqState]) -> list[DraftNodes]:
+    def _fresh_trees(
+        self, states: list[_SeqState], draws: list[DraftSampling | None]
+    ) -> list[DraftNodes]:
         """Each sequence's fresh candidates, pruned to the budget (not yet a tree: fusion
         may still merge the re-sampled subtree into them)."""
         with record_function(LAYER_SCOPE):
@@ -179,6 +190,7 @@ class LyannaDrafter:
             self.info_table,
             self.draft.hot_ids,
             self.draft.hot_index,
+            draws,
         )
         return [nodes.prune(self.budget.max_tokens) for nodes in fresh]  # the cap
 

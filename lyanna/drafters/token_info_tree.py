@@ -8,7 +8,8 @@ frontier. Every proposed child stays in the candidate nodes (``DraftNodes``: pla
 few tensor ops per step and none per node); the caller prunes them to the verification budget
 by joint probability and makes the one tree it proposes. Children are chosen
 deterministically, so the tree is a ``DraftScheme.TOPK`` candidate set (lossless with the
-deterministic-candidate rule).
+deterministic-candidate rule); at temperature > 0 they are drawn without replacement from
+the processed rows instead (``lyanna.drafters.sampled``: a WITHOUT_REPLACEMENT tree).
 
 Worked example (k = 2, two steps): root "model" -> children "training" (0.6), "inference"
 (0.3); both are kept as frontier; step 2 gives "training" -> "server" (0.7 -> joint 0.42) and
@@ -19,9 +20,8 @@ frontier is {server, speed}.
 from __future__ import annotations
 
 import torch
-from torch.profiler import record_function
 
-from lyanna.drafters.scopes import SOFTMAX_SCOPE
+from lyanna.drafters.sampled import DraftSampling, SampledTrees, draw_children
 from lyanna.tree import DraftNodes
 
 
@@ -32,26 +32,31 @@ def build_subtrees(
     info_table: torch.Tensor | None,  # [num_hot, num_hot] collapsed token info, or None
     hot_ids: torch.Tensor,  # [num_hot] full-vocabulary id of each hot column
     hot_index: torch.Tensor,  # [vocab] hot row of each token, -1 if not hot
+    draws: list[DraftSampling | None] | None = None,  # per tree; None: all top-k
 ) -> list[DraftNodes]:
     """BuildSubtree of Algorithm 1 for B chains at once: trees of depth ``steps`` rooted at
     ``root_tokens``. Every tree has the same shape (the root, then frontier x k nodes per
     step), so a step is one batch of row-wise tensor ops (each row sees what it would see
-    alone: a tree never depends on the rest of the batch) and the nodes are read back once."""
+    alone: a tree never depends on the rest of the batch) and the nodes are read back once.
+    A sampling sequence (``draws``) draws its children without replacement from the processed
+    rows instead (``lyanna.drafters.sampled``)."""
     B = logits.shape[0]
+    draws = draws or [None] * B
     roots = torch.tensor(root_tokens, dtype=torch.int64)
     tokens, parents, probs = [roots[:, None]], [torch.full((B, 1), -1)], [torch.ones(B, 1)]
     num_nodes = 1
     frontier = torch.zeros(B, 1, dtype=torch.int64)  # [B, f] node indices
     frontier_log_joint = torch.zeros(B, 1, dtype=torch.float64)
     frontier_hot = hot_index[roots][:, None]  # [B, f] hot rows of frontier tokens
+    sampled = SampledTrees([b for b, draw in enumerate(draws) if draw is not None])
     for step in range(logits.shape[1]):
-        with record_function(SOFTMAX_SCOPE):
-            rows = logits[:, step, None].expand(-1, frontier.shape[1], -1).float()
-            if info_table is not None:  # no token info for a cold (non-hot) parent
-                info = info_table[frontier_hot.clamp(min=0)].float()
-                rows = torch.where((frontier_hot >= 0)[..., None], rows + info, rows)
-            probs_rows = torch.softmax(rows, dim=-1)
-        child_probs, child_cols = probs_rows.topk(top_k, dim=-1)  # [B, f, k]
+        rows = logits[:, step, None].expand(-1, frontier.shape[1], -1).float()
+        if info_table is not None:  # no token info for a cold (non-hot) parent
+            info = info_table[frontier_hot.clamp(min=0)].float()
+            rows = torch.where((frontier_hot >= 0)[..., None], rows + info, rows)
+        children = draw_children(rows, top_k, draws, log_space=False)  # [B, f, k]
+        sampled.add(children, frontier, frontier_log_joint)
+        child_probs, child_cols = children.values, children.columns
         log_joint = (frontier_log_joint[..., None] + child_probs.double().log()).flatten(1)
         tokens.append(hot_ids[child_cols].flatten(1))
         parents.append(frontier.repeat_interleave(top_k, dim=1))
@@ -62,7 +67,8 @@ def build_subtrees(
         frontier_log_joint = log_joint.gather(1, keep)
         frontier_hot = child_cols.flatten(1).gather(1, keep)
     columns = (torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(probs, 1))
-    return [DraftNodes(*row) for row in zip(*(c.tolist() for c in columns), strict=True)]
+    nodes = [DraftNodes(*row) for row in zip(*(c.tolist() for c in columns), strict=True)]
+    return sampled.attach(nodes, hot_ids)
 
 
 def build_subtree(

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
 import torch
 
-from lyanna.drafters.base import DraftBudget
+from lyanna.drafters.base import DraftBudget, VerifiedStep
 from lyanna.drafters.eagle import EagleDrafter
+from lyanna.drafters.lyanna import LyannaDrafter
+from lyanna.drafters.lyanna_model import LyannaDraftConfig, LyannaDraftModel
 from lyanna.drafters.sps import SpsDrafter
 from lyanna.engine import EngineConfig, SpecEngine
 from lyanna.sampling import SamplingParams, logits_to_probs, sample_distinct
@@ -245,6 +248,44 @@ def test_seeded_sampled_drafts_repeat_and_top_k_is_an_option() -> None:
     assert off.scheme is DraftScheme.TOPK and off.propose([0])[0].scheme is DraftScheme.TOPK
 
 
+def lyanna_draft(model, num_hot: int) -> LyannaDraftModel:
+    torch.manual_seed(0)
+    config = LyannaDraftConfig(model.config, num_hot=num_hot, info_rank=4, chain_steps=3)
+    hot = torch.randperm(model.config.vocab_size)[:num_hot]
+    draft = LyannaDraftModel(config, model.embed_tokens.weight, hot)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return draft
+
+
+def test_lyanna_samples_fresh_trees_and_fuses_top_k_unions() -> None:
+    model = make_tiny_model(1, vocab_size=32)
+    budget = DraftBudget(3, 2, 8)
+    drafter = LyannaDrafter(model, lyanna_draft(model, 20), budget, max_len=128)
+    start(drafter, model, [None, SAMPLED])
+    assert drafter.scheme is DraftScheme.WITHOUT_REPLACEMENT
+    top_k_tree, sampled_tree = drafter.propose([0, 1])
+    assert top_k_tree.scheme is DraftScheme.TOPK
+    assert sampled_tree.scheme is DraftScheme.WITHOUT_REPLACEMENT
+    assert torch.equal(sampled_tree.vocab_index, drafter.draft.hot_ids)
+    rows = sampled_tree.full_draft_probs(32)
+    for node in range(sampled_tree.num_nodes):
+        children = list(sampled_tree.children(node))
+        if children:
+            assert float(rows[node].sum()) == pytest.approx(1.0, abs=1e-5)
+            tokens = sampled_tree.tokens[children]
+            assert len(set(tokens.tolist())) == len(children)
+    # reject everything: the next step fuses a re-sampled (top-k) subtree into a TOPK union
+    hidden = torch.randn(1, model.config.hidden_size)
+    root = int(sampled_tree.tokens[0])
+    bonus = next(t for t in range(32) if t not in sampled_tree.tokens[1:].tolist())
+    drafter.on_verified([VerifiedStep(1, [root], hidden, bonus, 0, len(PROMPTS[1]) + 1)])
+    fused = drafter.propose([1])[0]
+    assert drafter.seqs[1].resampled is not None
+    assert fused.scheme is DraftScheme.TOPK and fused.draft_probs is None
+
+
 def target_law(model, prompt: list[int], temperature: float, length: int) -> dict:
     """Exact law of the first `length` tokens of plain sampling (every continuation)."""
     law: dict[tuple[int, ...], float] = {(): 1.0}
@@ -261,7 +302,7 @@ def target_law(model, prompt: list[int], temperature: float, length: int) -> dic
     return law
 
 
-@pytest.mark.parametrize("method", ["eagle", "sps"])
+@pytest.mark.parametrize("method", ["eagle", "sps", "lyanna"])
 def test_speculative_sampling_matches_plain_sampling(method: str) -> None:
     """Statistical: 3,000 seeded runs of three tokens at T = 1 against the exact law of
     plain sampling (a chi-square test; the drafters are random, so many drafts are rejected)."""
@@ -272,8 +313,19 @@ def test_speculative_sampling_matches_plain_sampling(method: str) -> None:
     budget = DraftBudget(3, 2, 6)
     if method == "eagle":
         drafter = eagle_drafter(model, budget, hot=None)
-    else:
+    elif method == "sps":
         drafter = SpsDrafter(make_tiny_model(5, vocab_size=6), torch.arange(6), budget)
+    else:  # fresh sampled trees, and top-k unions when a re-sampled subtree is fused
+        drafter = LyannaDrafter(model, lyanna_draft(model, 6), budget, max_len=128)
+    schemes = Counter()
+    propose = drafter.propose
+
+    def counting_propose(seq_ids):
+        trees = propose(seq_ids)
+        schemes.update(t.scheme for t in trees if t.num_drafted)
+        return trees
+
+    drafter.propose = counting_propose
     engine = SpecEngine(model, drafter, EngineConfig(max_batch=4, max_len=128))
     params = [SamplingParams(1.0, max_tokens=length, seed=i) for i in range(runs)]
     seqs = [Sequence(i, prompt, p) for i, p in enumerate(params)]
@@ -281,6 +333,9 @@ def test_speculative_sampling_matches_plain_sampling(method: str) -> None:
         engine.submit(seq)
     engine.run()
     assert engine.stats.num_drafted > 0 and engine.stats.num_accepted > 0
+    assert schemes[DraftScheme.WITHOUT_REPLACEMENT] > 0
+    if method == "lyanna":  # steps that fused a re-sampled subtree proposed top-k unions
+        assert schemes[DraftScheme.TOPK] > 0
     law = target_law(model, prompt, 1.0, length)
     counts = {key: 0 for key in law}
     for seq in seqs:

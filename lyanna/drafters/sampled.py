@@ -1,0 +1,190 @@
+"""Sampling-mode draft trees, shared by every drafter that expands nodes from hot-vocabulary
+rows (EAGLE-2 and SPS via ``dynamic_tree``, Lyanna via ``token_info_tree``).
+
+At temperature > 0 a sequence's children are drawn without replacement (Gumbel-top-k) from the
+draft row after the request's own temperature and top-p, instead of taken as the top-k; the
+rows travel with the tree (``DraftScheme.WITHOUT_REPLACEMENT``), so traversal verification or
+RRS without replacement accept a child with probability min(1, p/q) instead of the
+deterministic rule's p(x). Greedy sequences in the same batch keep top-k children.
+
+Every drafted child also gets a *gain* known before its draw (its parent's joint probability
+times the parent row's j-th largest probability, j = its drawing position): pruning ranks
+sampled nodes by it (``DraftNodes``), never by what the node itself drew.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch.profiler import record_function
+
+from lyanna.drafters.base import VerifiedStep
+from lyanna.drafters.scopes import LM_HEAD_SCOPE, SAMPLE_SCOPE, SOFTMAX_SCOPE
+from lyanna.sampling import SamplingParams, logits_to_probs, sample_distinct
+from lyanna.tree import DraftNodes, DraftScheme
+from lyanna.tree_cost import GainCalibration
+
+
+@dataclass(slots=True)
+class DraftSampling:
+    """How one sequence's children are drawn at temperature > 0: the request's processing and
+    the drafter's own generator (seeded from the request's seed, so a seeded request drafts,
+    and therefore decodes, the same way every time)."""
+
+    temperature: float
+    top_p: float
+    generator: torch.Generator
+
+    @classmethod
+    def of(cls, params: SamplingParams | None) -> DraftSampling | None:
+        """None for greedy (or unknown) requests: they draft top-k trees."""
+        if params is None or params.greedy:
+            return None
+        generator = torch.Generator()
+        if params.seed is None:
+            generator.seed()
+        else:  # a stream apart from the target's, which uses the seed itself
+            generator.manual_seed((params.seed + 0x9E3779B97F4A7C15) % 2**64)
+        return cls(params.temperature, params.top_p, generator)
+
+
+@dataclass(slots=True, eq=False)
+class Children:
+    """One expansion's children: [B, n, k] draft probabilities (or their logs) and hot columns,
+    and for the sampled sequences (``sampled`` rows of the batch) the processed rows they were
+    drawn from [S, n, num_hot] and each row's k largest probabilities [S, n, k]."""
+
+    values: torch.Tensor
+    columns: torch.Tensor
+    sampled: list[int]
+    rows: torch.Tensor | None = None
+    top: torch.Tensor | None = None
+
+
+def draw_children(
+    logits: torch.Tensor,  # [B, n, num_hot] raw draft logits of n nodes per sequence
+    k: int,
+    draws: list[DraftSampling | None],  # per sequence: None = top-k
+    log_space: bool = True,  # values as log probabilities (else probabilities)
+) -> Children:
+    """Each node's k children: its top-k hot columns, or for a sampling sequence k columns
+    drawn without replacement from its processed row."""
+    with record_function(SOFTMAX_SCOPE):
+        logits = logits.float()
+        probs = logits.log_softmax(-1) if log_space else logits.softmax(-1)
+    top = probs.topk(k, dim=-1)
+    sampled = [b for b, draw in enumerate(draws) if draw is not None]
+    if not sampled:
+        return Children(top.values, top.indices, sampled)
+    with record_function(SAMPLE_SCOPE):
+        chosen = torch.tensor(sampled)
+        temperature = torch.tensor([draws[b].temperature for b in sampled])[:, None, None]
+        top_p = torch.tensor([draws[b].top_p for b in sampled])[:, None, None]
+        rows = logits_to_probs(logits[chosen], temperature, top_p)  # [S, n, num_hot]
+        picks = torch.stack(
+            [sample_distinct(rows[i], k, draws[b].generator) for i, b in enumerate(sampled)]
+        )  # [S, n, k] in drawing order
+        values, columns = top.values.clone(), top.indices.clone()
+        drawn = rows.gather(-1, picks)
+        values[chosen] = drawn.log() if log_space else drawn
+        columns[chosen] = picks
+        return Children(values, columns, sampled, rows, rows.topk(k, dim=-1).values)
+
+
+def head_children(
+    lm_head: torch.nn.Module,
+    states: torch.Tensor,  # [B, n, d]
+    k: int,
+    draws: list[DraftSampling | None],
+) -> Children:
+    """``draw_children`` of the hot LM head's logits."""
+    with record_function(LM_HEAD_SCOPE):
+        logits = lm_head(states).float()
+    return draw_children(logits, k, draws)
+
+
+class SampledTrees:
+    """The sampled sequences' extra facts while a tree grows: which nodes were expanded, the
+    processed rows their children were drawn from, and each child's gain."""
+
+    def __init__(self, sampled: list[int]) -> None:
+        self.batch = sampled  # batch rows that sample
+        self.rows: list[torch.Tensor] = []  # per expansion: [S, n, num_hot]
+        self.expanded: list[torch.Tensor] = []  # per expansion: [S, n] node indices
+        self.child_gains: list[torch.Tensor] = [torch.zeros(len(sampled), 1)]  # root: 0
+
+    def add(
+        self,
+        children: Children,
+        expanded: torch.Tensor,  # [B, n] node index of each expanded node
+        parent_log_joint: torch.Tensor,  # [B, n] their log joint probabilities
+    ) -> None:
+        """Record one expansion; the children are appended in [n, k] block order."""
+        if not self.batch:
+            return
+        chosen = torch.tensor(self.batch)
+        self.rows.append(children.rows)
+        self.expanded.append(expanded[chosen])
+        gains = parent_log_joint[chosen].double().exp()[:, :, None] * children.top
+        self.child_gains.append(gains.reshape(len(self.batch), -1))
+
+    def gains(self) -> torch.Tensor:  # [S, num_nodes] (root: 0)
+        return torch.cat(self.child_gains, 1)
+
+    def attach(self, nodes: list[DraftNodes], hot_ids: torch.Tensor) -> list[DraftNodes]:
+        """``nodes`` (one per batch row) with the sampled sequences' rows and gains."""
+        if not self.batch:
+            return nodes
+        gains = self.gains().double().tolist()
+        rows = torch.cat(self.rows, 1)  # [S, expansions, num_hot]
+        expanded = torch.cat(self.expanded, 1)  # [S, expansions]
+        for i, b in enumerate(self.batch):
+            node_rows = rows.new_zeros(len(nodes[b].tokens), rows.shape[-1])
+            node_rows[expanded[i]] = rows[i]
+            nodes[b] = replace(nodes[b], draft_rows=node_rows, vocab_index=hot_ids, gains=gains[i])
+        return nodes
+
+
+class SampledDrafting:
+    """What a drafter that can sample keeps per sequence: how it draws (``DraftSampling``,
+    only for sequences at temperature > 0) and a gain calibration per kind of tree, since
+    sampled gains and top-k joint probabilities are worth different numbers of tokens."""
+
+    sample_drafts: bool = True  # at T > 0: draw children without replacement (else top-k)
+    calibration: GainCalibration  # top-k trees: what their predicted gains are worth
+    sampled_calibration: GainCalibration  # the same for sampled trees
+    _sampling: dict[int, DraftSampling]
+
+    def _init_sampling(self, sample_drafts: bool) -> None:
+        self.sample_drafts = sample_drafts
+        self.calibration = GainCalibration()
+        self.sampled_calibration = GainCalibration()
+        self._sampling = {}
+
+    @property
+    def scheme(self) -> DraftScheme:
+        """How trees are drafted at temperature > 0 (greedy requests get top-k trees, which
+        every rule verifies at temperature 0)."""
+        return DraftScheme.WITHOUT_REPLACEMENT if self.sample_drafts else DraftScheme.TOPK
+
+    def _start_sampling(self, seq_id: int, params: SamplingParams | None) -> None:
+        draw = DraftSampling.of(params) if self.sample_drafts else None
+        if draw is not None:
+            self._sampling[seq_id] = draw
+
+    def _stop_sampling(self, seq_id: int) -> None:
+        self._sampling.pop(seq_id, None)
+
+    def _draws(self, seq_ids: list[int]) -> list[DraftSampling | None]:
+        return [self._sampling.get(s) for s in seq_ids]
+
+    def _calibration_of(self, seq_id: int) -> GainCalibration:
+        return self.sampled_calibration if seq_id in self._sampling else self.calibration
+
+    def _learn_acceptance(self, steps: list[VerifiedStep]) -> None:
+        """Tell each calibration how many of its trees' tokens were accepted."""
+        for calibration in (self.calibration, self.sampled_calibration):
+            mine = [s for s in steps if self._calibration_of(s.seq_id) is calibration]
+            if mine:
+                calibration.verified(sum(s.num_accepted for s in mine))
