@@ -3,7 +3,7 @@ drafter drafts its children without replacement from the processed rows (verifie
 traversal or RRS without replacement) or as top-k candidates (the deterministic rule), next to
 n-gram, Lyanna and AR, all taking turns on each prompt (``run_methods``), at each temperature.
 
-    python -m bench.sampling_modes [--temperatures 0.7,1.0] [--limit-per-category 1]
+    python -m bench.sampling_modes [--temperatures 0.7,1.0] [--drafters eagle,sps,lyanna]
 
 Decode-only speedups are against AR at the same temperature and seed.
 """
@@ -40,6 +40,11 @@ BUILDERS = {
 }
 
 
+def _scaled(drafter: Drafter, scale: float) -> Drafter:
+    drafter.draft_temperature_scale = scale
+    return drafter
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -48,26 +53,39 @@ def main() -> None:
     parser.add_argument("--temperatures", default="0.7,1.0")
     parser.add_argument("--others", default="ngram", help="registry methods to add")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--drafters", default="eagle,sps,lyanna", help="which VARIANTS to run")
+    parser.add_argument(
+        "--draft-temperature-scales",
+        default="",
+        help="also run each sampled variant with draft rows at these multiples of T: 0.8,1.25",
+    )
     args = parser.parse_args()
     set_threads(args.threads)
     setup = BenchSetup.load(per_category=args.limit_per_category, weights=args.weights)
     model = setup.model
 
+    chosen = {n: v for n, v in VARIANTS.items() if v[0] in args.drafters.split(",")}
     factories: dict[str, Callable[[], Drafter]] = {}
-    for name, (method, sampled, _) in VARIANTS.items():
+    for name, (method, sampled, _) in chosen.items():
         budget = method_budget(args, method, model)
         build = BUILDERS[method]
         factories[name] = lambda b=build, budget=budget, s=sampled: b(
             model, budget=budget, sample_drafts=s
         )
-    rules = {name: rule for name, (_, _, rule) in VARIANTS.items() if rule is not None}
+    scales = [float(x) for x in args.draft_temperature_scales.split(",") if x]
+    for name, (method, sampled, rule) in list(chosen.items()):
+        for scale in scales if sampled else []:
+            scaled = f"{name} x{scale:g}T"
+            chosen[scaled] = (method, sampled, rule)
+            factories[scaled] = lambda name=name, scale=scale: _scaled(factories[name](), scale)
+    rules = {name: rule for name, (_, _, rule) in chosen.items() if rule is not None}
     others = [m for m in args.others.split(",") if m]
     rows = []
     for temperature in [float(t) for t in args.temperatures.split(",")]:
         params = SamplingParams(temperature, max_tokens=args.max_tokens, seed=args.seed)
         results = run_methods(
             setup,
-            [*VARIANTS, *others],
+            [*chosen, *others],
             1,
             params,
             lambda method: method_budget(args, method, model),

@@ -37,8 +37,11 @@ class DraftSampling:
     generator: torch.Generator
 
     @classmethod
-    def of(cls, params: SamplingParams | None) -> DraftSampling | None:
-        """None for greedy (or unknown) requests: they draft top-k trees."""
+    def of(cls, params: SamplingParams | None, scale: float = 1.0) -> DraftSampling | None:
+        """None for greedy (or unknown) requests: they draft top-k trees. ``scale`` multiplies
+        the request's temperature for the draft rows (any draft row is lossless, since the
+        tree carries the rows it was drawn from; a drafter over- or under-confident at the
+        target's temperature may be accepted more often at another)."""
         if params is None or params.greedy:
             return None
         generator = torch.Generator()
@@ -46,7 +49,7 @@ class DraftSampling:
             generator.seed()
         else:  # a stream apart from the target's, which uses the seed itself
             generator.manual_seed((params.seed + 0x9E3779B97F4A7C15) % 2**64)
-        return cls(params.temperature, params.top_p, generator)
+        return cls(params.temperature * scale, params.top_p, generator)
 
 
 @dataclass(slots=True, eq=False)
@@ -152,6 +155,7 @@ class SampledDrafting:
     sampled gains and top-k joint probabilities are worth different numbers of tokens."""
 
     sample_drafts: bool = True  # at T > 0: draw children without replacement (else top-k)
+    draft_temperature_scale: float = 1.0  # draft rows at this multiple of the request's T
     calibration: GainCalibration  # top-k trees: what their predicted gains are worth
     sampled_calibration: GainCalibration  # the same for sampled trees
     _sampling: dict[int, DraftSampling]
@@ -169,7 +173,8 @@ class SampledDrafting:
         return DraftScheme.WITHOUT_REPLACEMENT if self.sample_drafts else DraftScheme.TOPK
 
     def _start_sampling(self, seq_id: int, params: SamplingParams | None) -> None:
-        draw = DraftSampling.of(params) if self.sample_drafts else None
+        scale = self.draft_temperature_scale
+        draw = DraftSampling.of(params, scale) if self.sample_drafts else None
         if draw is not None:
             self._sampling[seq_id] = draw
 
