@@ -49,6 +49,7 @@ class EmbeddedConfig:
     max_batch: int = 8  # running sequences per engine (the drafters hold state for 16)
     max_len: int = 2048  # KV rows per sequence
     max_waiting: int = 64  # requests waiting for their first token before BackendBusy
+    queue_timeout: float = 60.0  # seconds a request may wait for its first token (BackendBusy)
     budget: DraftBudget | None = None  # None = each method's measured default shape
     tree: str = "cost"  # cost: trees sized by the target's cost curve; fixed: the budget
     rule: str | None = None  # acceptance rule at T > 0; None = the drafter scheme's default
@@ -64,6 +65,8 @@ class EmbeddedConfig:
             raise ValueError("max_batch must be in [1, 16]")
         if self.max_len <= 2 * ENGINE_MARGIN or self.max_waiting < 1 or self.drain_seconds < 0:
             raise ValueError("max_len must exceed 128, max_waiting >= 1, drain_seconds >= 0")
+        if self.queue_timeout <= 0:
+            raise ValueError("queue_timeout must be > 0")
 
 
 @dataclass(slots=True, eq=False)
@@ -163,7 +166,7 @@ class EmbeddedBackend:
         self._commands.put(_Submit(handle))
         try:
             while not finished:
-                item = await handle.queue.get()
+                item = await self._next(handle, waiting)
                 if isinstance(item, Exception):
                     raise item
                 if waiting:
@@ -176,6 +179,17 @@ class EmbeddedBackend:
                 self._num_waiting -= 1
             if not finished:
                 self._commands.put(_Abort(sequence.seq_id))
+
+    async def _next(self, handle: _Handle, waiting: bool) -> TokenDelta | Exception:
+        """The request's next delta; while it waits for its first one, at most
+        ``queue_timeout`` seconds (then BackendBusy, and the caller aborts the request)."""
+        if not waiting:
+            return await handle.queue.get()
+        timeout = self.config.queue_timeout
+        try:
+            return await asyncio.wait_for(handle.queue.get(), timeout)
+        except TimeoutError:
+            return BackendBusy(f"no sequence slot became free within {timeout:g} s; retry later")
 
     # -- worker thread ----------------------------------------------------------------------
 
@@ -303,13 +317,13 @@ class EmbeddedBackend:
         resampled_before = getattr(drafter, "num_resampled_accepted", 0)
         try:
             emitted = action()
-        except Exception as err:  # fail this engine's requests, keep serving the others
+        except Exception:  # fail this engine's requests, keep serving the others
             logger.exception("engine %r failed; dropping it", method)
             self._engines.pop(method)
             self._pending.pop(method, None)
             for seq_id, handle in list(self._handles.items()):
                 if handle.method == method:
-                    self._deliver(handle, BackendUnavailable(f"engine error: {err}"))
+                    self._deliver(handle, BackendUnavailable("engine error (logged)"))
                     del self._handles[seq_id]
             return
         # Draft/verify time and re-sampled acceptances are known per micro-batch; the

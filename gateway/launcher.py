@@ -69,6 +69,7 @@ def _serve_embedded(args: argparse.Namespace, config: GatewayConfig) -> None:
         max_batch=args.max_batch,
         max_len=args.max_len,
         max_waiting=args.max_waiting,
+        queue_timeout=args.queue_timeout,
         tree=args.tree,
     )
     holder: dict[str, FastAPI] = {}
@@ -132,6 +133,7 @@ def _serve_remote(
         pipeline=args.pipeline,
         max_running=args.max_batch,
         max_waiting=args.max_waiting,
+        queue_timeout=args.queue_timeout,
     )
     backend = RemoteBackend(remote, eos, make_detokenize(tokenizer))
 

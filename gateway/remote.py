@@ -27,9 +27,8 @@ Scheduling (all on the event loop, async gRPC clients, a deadline on every call)
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import random
+import secrets
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -81,7 +80,6 @@ class RemoteBackend:
         self.vocab_size = 0
         self.num_fallback_steps = 0
         self.num_verified_steps = 0
-        self._ids = itertools.count(random.getrandbits(31) << 20)
         self._waiting: deque[RemoteSeq] = deque()
         self._lanes = [_Lane() for _ in range(2 if config.pipeline else 1)]
         self._num_running = 0
@@ -144,7 +142,8 @@ class RemoteBackend:
             await self._verifier.Capacity(verifier_pb2.CapacityRequest(), timeout=2.0)
             status["verifier"] = "ok"
         except grpc.aio.AioRpcError as error:
-            status["verifier"] = f"{error.code().name}: {error.details()}"
+            status["verifier"] = error.code().name  # details name peers: the log only
+            logger.debug("verifier health: %s", error.details())
         if self.drafter is not None:
             status["drafter"] = self.drafter.status()
         return status
@@ -163,13 +162,20 @@ class RemoteBackend:
         if len(self._waiting) >= self.config.max_waiting:
             raise BackendBusy(f"{len(self._waiting)} requests are already waiting")
         sequence = Sequence(
-            next(self._ids), list(request.prompt_ids), request.params, self._eos, self._detokenize
+            # an id no other client can guess (63 random bits: a collision among even a
+            # million live sequences has probability ~1e-7), so none can release another's
+            secrets.randbits(63),
+            list(request.prompt_ids),
+            request.params,
+            self._eos,
+            self._detokenize,
         )
         use_drafter = method != TARGET_ONLY and self.drafter is not None
         seq = RemoteSeq(sequence, method, asyncio.Queue(), use_drafter)
         seq.keep_hidden = use_drafter and self.drafter.needs_hidden and not self.drafter.plane_ok
         self._waiting.append(seq)
         self._admit.set()
+        expiry = asyncio.get_running_loop().call_later(self.config.queue_timeout, self._expire, seq)
         try:
             while True:
                 item = await seq.queue.get()
@@ -179,10 +185,18 @@ class RemoteBackend:
                 if item.finish_reason is not None:
                     return
         finally:
+            expiry.cancel()
             if not seq.done:
                 seq.cancelled = True
                 if seq in self._waiting:
                     self._waiting.remove(seq)
+
+    def _expire(self, seq: RemoteSeq) -> None:
+        """A request still waiting for a slot after ``queue_timeout`` gets BackendBusy."""
+        if seq in self._waiting:
+            self._waiting.remove(seq)
+            timeout = self.config.queue_timeout
+            seq.deliver(BackendBusy(f"no sequence slot became free within {timeout:g} s"))
 
     # -- admission -------------------------------------------------------------------------
 
@@ -209,13 +223,13 @@ class RemoteBackend:
                 batch = [s for s in batch if not s.cancelled]
                 try:
                     await self._prefill(batch)
-                except Exception as error:  # a bug must not stop admission
+                except Exception:  # a bug must not stop admission
                     logger.exception("prefill failed")
                     for seq in batch:
-                        seq.deliver(BackendUnavailable(f"internal error: {error}"))
+                        seq.deliver(BackendUnavailable("internal error (logged)"))
 
     def _fail_waiting(self, error: grpc.aio.AioRpcError) -> None:
-        failure = BackendUnavailable(f"verifier: {error.code().name}: {error.details()}")
+        failure = _verifier_failure(error)
         while self._waiting:
             self._waiting.popleft().deliver(failure)
 
@@ -240,8 +254,8 @@ class RemoteBackend:
                 self._waiting.extendleft(reversed(batch))
                 asyncio.get_running_loop().call_later(0.2, self._admit.set)
                 return
-            failure: Exception = BackendUnavailable(f"verifier: {error.details()}")
-            if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            failure: Exception = _verifier_failure(error)
+            if error.code() == grpc.StatusCode.INVALID_ARGUMENT:  # the request's own fault
                 failure = ValueError(error.details())
             else:  # e.g. past the deadline: the verifier may have prefilled them anyway
                 await self._release_on_verifier(batch)
@@ -293,9 +307,9 @@ class RemoteBackend:
                 proposals = await self.drafter.propose(batch) if self.drafter else {}
                 draft_seconds = time.perf_counter() - start
                 finished = await self._verify(batch, proposals, draft_seconds)
-            except Exception as error:  # a bug must not strand the lane's requests
+            except Exception:  # a bug must not strand the lane's requests
                 logger.exception("lane step failed")
-                failure = BackendUnavailable(f"internal error: {error}")
+                failure = BackendUnavailable("internal error (logged)")
                 for seq in batch:
                     seq.deliver(failure)
                 finished = batch
@@ -336,7 +350,7 @@ class RemoteBackend:
         try:
             response = await self._verifier.Verify(request, timeout=self.config.verify_deadline)
         except grpc.aio.AioRpcError as error:
-            failure = BackendUnavailable(f"verifier: {error.code().name}: {error.details()}")
+            failure = _verifier_failure(error)
             for seq in batch:
                 seq.deliver(failure)
             return batch
@@ -397,3 +411,10 @@ class RemoteBackend:
         for outcome in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(outcome, grpc.aio.AioRpcError):
                 logger.warning("release failed: %s", outcome.details())
+
+
+def _verifier_failure(error: grpc.aio.AioRpcError) -> BackendUnavailable:
+    """What a client learns of a failed verifier call: the status code only. The details
+    (peer addresses, internal messages) go to the log."""
+    logger.warning("verifier call failed: %s: %s", error.code().name, error.details())
+    return BackendUnavailable(f"verifier unavailable ({error.code().name})")

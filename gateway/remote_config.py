@@ -16,6 +16,7 @@ class RemoteConfig:
     pipeline: bool = True  # two micro-batches in flight; False = draft, then verify
     max_running: int = 8
     max_waiting: int = 64
+    queue_timeout: float = 60.0  # seconds a request may wait for a slot before BackendBusy
     prefill_deadline: float = 120.0  # seconds, per call
     verify_deadline: float = 60.0
     draft_deadline: float = 10.0  # past it the step runs target-only
@@ -29,7 +30,9 @@ class RemoteConfig:
         if self.max_running < 1 or self.max_waiting < 1 or self.max_message_mb < 1:
             raise ValueError("max_running, max_waiting and max_message_mb must be >= 1")
         deadlines = (self.prefill_deadline, self.verify_deadline, self.draft_deadline)
-        if min(*deadlines, self.control_deadline) <= 0 or self.drafter_retry_seconds < 0:
+        if min(*deadlines, self.control_deadline, self.queue_timeout) <= 0:
+            raise ValueError("deadlines and queue_timeout must be > 0")
+        if self.drafter_retry_seconds < 0:
             raise ValueError("deadlines must be > 0 and drafter_retry_seconds >= 0")
         if self.use_data_plane and self.drafter_addr is None:
             raise ValueError("the data plane needs a drafter")

@@ -177,9 +177,11 @@ class DrafterLink:
 
     def _unreachable(self, error: grpc.aio.AioRpcError) -> None:
         self.plane_ok = False  # a restarted drafter is not in the old process group
-        self._error = f"{error.code().name}: {error.details()}"
+        self._error = error.code().name  # shown by /health: the details (peers) are logged
         self._down_until = time.monotonic() + self.retry_seconds
-        logger.warning("drafter unavailable (%s); target-only steps", self._error)
+        logger.warning(
+            "drafter unavailable (%s: %s); target-only steps", self._error, error.details()
+        )
 
 
 def _plane_ref(seq: RemoteSeq) -> common_pb2.PlaneRef | None:

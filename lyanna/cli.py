@@ -107,6 +107,13 @@ def _add_serve(sub) -> None:
     serve.add_argument("--max-len", type=int, default=2048, help="KV rows per sequence")
     serve.add_argument("--max-waiting", type=int, default=64, help="queue bound (then 429)")
     serve.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=float(os.environ.get("LYANNA_QUEUE_TIMEOUT", "60")),
+        help="seconds a request may wait for a free sequence slot (then 429; env "
+        "LYANNA_QUEUE_TIMEOUT)",
+    )
+    serve.add_argument(
         "--verifier-addr",
         default=os.environ.get("LYANNA_VERIFIER_ADDR"),
         help="services mode: use this running verifier (host:port) instead of starting one",

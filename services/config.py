@@ -37,6 +37,7 @@ class ServerConfig:
     plane: str = "grpc"
     plane_addr: str = "127.0.0.1:29511"  # rendezvous (host:port) of the data plane
     plane_timeout: float = 120.0  # seconds to wait for the peer before serving without it
+    reflection: bool = False  # gRPC server reflection (lists the services to anyone who asks)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

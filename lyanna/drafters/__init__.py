@@ -43,7 +43,12 @@ def _lyanna_variant(resample_enabled: bool, fusion: bool) -> DrafterFactory:
         from lyanna.drafters.lyanna import LyannaDrafter, ResampleConfig
 
         resample = ResampleConfig(enabled=resample_enabled, fusion=fusion)
-        return LyannaDrafter.from_checkpoint(model, budget=budget, resample=resample)
+        # top-k trees at T > 0 too: measured at T = 1, sampled drafting cost Lyanna more
+        # draft time (share 0.26 vs 0.20) for no tau (1.13 vs 1.14); EAGLE-2 and SPS gain
+        # (docs/benchmarks.md, "Sampling mode: drafting without replacement")
+        return LyannaDrafter.from_checkpoint(
+            model, budget=budget, resample=resample, sample_drafts=False
+        )
 
     return factory
 

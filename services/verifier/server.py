@@ -114,6 +114,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             raise invalid("a sequence may appear once per Verify call")
         trees = [self._tree_of(item) for item in items]
         with self._lock:
+            if not context.is_active():  # waited past the caller's deadline: verify nothing,
+                # so the verifier commits no token the gateway never learns of
+                raise ServiceError(
+                    grpc.StatusCode.CANCELLED, "the caller is gone; nothing verified"
+                )
             for item, tree in zip(items, trees, strict=True):
                 self._check_ref(item.ref)
                 if item.ref.num_committed + tree.num_nodes > self.runner.max_len:

@@ -105,6 +105,9 @@ def test_full_waiting_queue_is_busy(loaded) -> None:
 
     async def scenario() -> None:
         await backend.start()
+        engine = backend._engines["ar"]
+        step = engine.step
+        engine.step = lambda: (time.sleep(0.005), step())[1]  # outlasts the timeout anywhere
         try:
             running = backend.generate(request(300))
             await anext(running)  # admitted: holds the only slot
@@ -116,6 +119,41 @@ def test_full_waiting_queue_is_busy(loaded) -> None:
             await running.aclose()  # frees the slot: the waiting request proceeds
             assert (await blocked).prompt_tokens == 4
             await waiting.aclose()
+        finally:
+            await backend.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_that_finds_no_slot_in_time_is_busy_and_loses_nothing(loaded) -> None:
+    """The only slot stays taken: the next request gets BackendBusy after queue_timeout
+    (not a wait forever), and the running request goes on to its full length."""
+    config = EmbeddedConfig(default_method="ar", max_len=512, max_batch=1, queue_timeout=0.3)
+    backend = EmbeddedBackend(loaded.model, loaded.eos_token_ids, config)
+
+    async def scenario() -> None:
+        await backend.start()
+        engine = backend._engines["ar"]
+        step = engine.step
+        engine.step = lambda: (time.sleep(0.005), step())[1]  # outlasts the timeout anywhere
+        try:
+            running = backend.generate(
+                GenerationRequest(
+                    "r", [5, 6, 7, 8], SamplingParams(max_tokens=200, ignore_eos=True)
+                )
+            )
+            tokens = (await anext(running)).token_ids
+            start = time.monotonic()
+            with pytest.raises(BackendBusy, match="within 0.3 s"):
+                await anext(backend.generate(request(2)))
+            assert 0.25 < time.monotonic() - start < 5.0
+            async for delta in running:
+                tokens += delta.token_ids
+            assert len(tokens) == 200
+            assert backend._num_waiting == 0
+            again = backend.generate(request(2))  # the slot is free again
+            assert (await anext(again)).prompt_tokens == 4
+            await again.aclose()
         finally:
             await backend.stop()
 

@@ -20,8 +20,8 @@ from lyanna.sequence import Sequence
 from services.pb import common_pb2, drafter_pb2, verifier_pb2
 
 
-def rpc_error(code: grpc.StatusCode) -> AioRpcError:
-    return AioRpcError(code, Metadata(), Metadata(), details=f"scripted {code.name}")
+def rpc_error(code: grpc.StatusCode, details: str | None = None) -> AioRpcError:
+    return AioRpcError(code, Metadata(), Metadata(), details=details or f"scripted {code.name}")
 
 
 class ScriptedStub:
@@ -107,6 +107,16 @@ def test_unreachable_drafter_opens_the_breaker_then_recovers(link_and_stub) -> N
     asyncio.run(asyncio.sleep(0.06))
     assert 1 in asyncio.run(link.propose([seq]))
     assert stub.calls[2:] == ["Release", "Start", "Propose"]  # resync from the full history
+
+
+def test_fallback_status_names_the_code_not_the_peer(link_and_stub) -> None:
+    """/health shows the link's status: the error code, never gRPC's details (peer
+    addresses) that anyone reaching /health could read."""
+    link, stub = link_and_stub
+    details = "failed to connect to all addresses; last error: ipv4:10.1.2.3:50051: refused"
+    stub.errors["Propose"] = [rpc_error(grpc.StatusCode.UNAVAILABLE, details)]
+    asyncio.run(link.propose([make_seq()]))
+    assert link.status() == "fallback: UNAVAILABLE"
 
 
 def test_lost_sequence_is_restarted_and_wrong_roots_are_dropped(link_and_stub) -> None:

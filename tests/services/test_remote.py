@@ -10,13 +10,14 @@ states."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from gateway.backend import BackendUnavailable, GenerationRequest
+from gateway.backend import BackendBusy, BackendUnavailable, GenerationRequest
 from gateway.remote import RemoteBackend, RemoteConfig
 from lyanna.drafters import DraftBudget
 from lyanna.drafters.ngram import NgramDrafter
@@ -41,7 +42,12 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def ngram_services(tiny_model_dir):
-    with launch(tiny_model_dir, "ngram", drafter_args=BUDGET_FLAGS) as deployment:
+    with launch(
+        tiny_model_dir,
+        "ngram",
+        verifier_args=["--reflection", "true"],
+        drafter_args=[*BUDGET_FLAGS, "--reflection", "true"],
+    ) as deployment:
         yield deployment
     # SIGTERM drained the services and they exited cleanly
     assert all(c.process.returncode == 0 for c in deployment.children.values())
@@ -125,6 +131,48 @@ def test_lyanna_greedy_equals_engine_and_plain(lyanna_services, tiny_loaded, pip
     steps = [s for o in outcomes for s in o.steps]
     assert backend.drafter.needs_hidden and sum(s.num_drafted for s in steps) > 0
     assert not any(s.drafter_fallback for s in steps)
+
+
+def test_sampled_lyanna_trees_cross_the_wire_and_equal_the_engine(
+    lyanna_services, tiny_loaded
+) -> None:
+    """At T > 0 the drafter service drafts sampled trees (rows included, seeded by the
+    request) and the verifier verifies them by traversal: the same tokens as in-process."""
+    params = SamplingParams(temperature=0.9, max_tokens=MAX_TOKENS, seed=11)
+    outcomes, _ = run_remote(config_for(lyanna_services, pipeline=False), PROMPTS[:1], params)
+    expected = engine_outputs(tiny_loaded, tiny_lyanna(tiny_loaded, BUDGET), PROMPTS[:1], params)
+    assert [o.tokens for o in outcomes] == expected
+    assert sum(s.num_drafted for o in outcomes for s in o.steps) > 0
+
+
+def test_a_request_that_finds_no_slot_in_time_is_busy(ngram_services) -> None:
+    """Every verifier slot is held by another client: a request gets BackendBusy after
+    queue_timeout instead of waiting forever, and is admitted once slots are free."""
+
+    async def run():
+        backend = RemoteBackend(config_for(ngram_services, queue_timeout=0.2), frozenset(), str)
+        await backend.start()
+        verifier = backend._verifier
+        free = (await verifier.Capacity(verifier_pb2.CapacityRequest())).free_slots
+        held = [10**12 + i for i in range(free)]
+        items = [verifier_pb2.PrefillItem(seq_id=i, prompt_ids=[1, 2]) for i in held]
+        for item in items:
+            item.params.max_tokens = 1
+        await verifier.Prefill(verifier_pb2.PrefillRequest(items=items))
+        try:
+            request = GenerationRequest("b", PROMPTS[1], SamplingParams(max_tokens=4))
+            start = time.monotonic()
+            with pytest.raises(BackendBusy, match="within 0.2 s"):
+                await anext(backend.generate(request))
+            waited, still_waiting = time.monotonic() - start, len(backend._waiting)
+            await verifier.Release(common_pb2.ReleaseRequest(seq_ids=held))
+            tokens = [t async for d in backend.generate(request) for t in d.token_ids]
+            return waited, still_waiting, tokens
+        finally:
+            await backend.stop()
+
+    waited, still_waiting, tokens = asyncio.run(run())
+    assert 0.15 < waited < 5.0 and still_waiting == 0 and len(tokens) == 4
 
 
 def test_lost_drafter_state_is_rebuilt_from_the_history(lyanna_services, tiny_loaded) -> None:
@@ -312,6 +360,18 @@ def test_gloo_data_plane_carries_hidden_states(tiny_model_dir, tiny_loaded) -> N
     assert backend.drafter.num_plane_transfers > 0
     steps = [s for o in outcomes for s in o.steps]
     assert not any(s.drafter_fallback for s in steps)
+
+
+def test_reflection_is_off_unless_asked(lyanna_services) -> None:
+    with grpc.insecure_channel(lyanna_services.verifier_addr) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        reply = health.Check(health_pb2.HealthCheckRequest(service="lyanna.v1.Verifier"), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        ask = reflection_pb2.ServerReflectionRequest(list_services="")
+        with pytest.raises(grpc.RpcError) as refused:
+            list(reflection.ServerReflectionInfo(iter([ask]), timeout=5))
+        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 def test_health_and_reflection(ngram_services) -> None:

@@ -74,6 +74,21 @@ def test_verifier_fuses_a_resampled_subtree_under_the_budget() -> None:
     assert response.results[0].ref.num_committed == 3 + len(response.results[0].committed)
 
 
+def test_verifier_runs_no_forward_for_a_caller_that_is_gone() -> None:
+    servicer = verifier()
+    root = prefill(servicer, 1, [1, 2, 3])
+    item = verifier_pb2.VerifyItem(
+        ref=common_pb2.SeqRef(seq_id=1, num_committed=3),
+        tree=codec.encode_tree(TokenTree.root_only(root)),
+    )
+    request = verifier_pb2.VerifyRequest(items=[item])
+    with pytest.raises(Aborted) as aborted:
+        servicer.Verify(request, FakeContext(active=False))
+    assert aborted.value.args[0] == grpc.StatusCode.CANCELLED
+    response = servicer.Verify(request, FakeContext())  # the same step, still at 3 rows
+    assert response.results[0].ref.num_committed == 4
+
+
 def test_verifier_refuses_duplicates_and_room_overflow() -> None:
     servicer = verifier()
     root = prefill(servicer, 1, [1, 2, 3])
