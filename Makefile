@@ -18,16 +18,16 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 model: $(STAMP)          ## fetch the default model once into $$LYANNA_CACHE (default ~/.cache/lyanna)
-	$(PY) -m lyanna.cli fetch-model
+	$(PY) -m gateway.cli fetch-model
 
 run: model               ## the main job: the chat service on the default model (Ctrl-C stops)
-	$(PY) -m lyanna.cli serve --mode $(MODE) $(SERVE)
+	$(PY) -m gateway.cli serve --mode $(MODE) $(SERVE)
 
 generate: model          ## one chat answer from the default model, no server
-	$(PY) -m lyanna.cli generate --prompt "$(PROMPT)"
+	$(PY) -m gateway.cli generate --prompt "$(PROMPT)"
 
 chat: $(STAMP)           ## talk to a running `make run` from a second terminal
-	$(PY) -m lyanna.cli chat
+	$(PY) -m gateway.cli chat
 
 proto: $(STAMP)          ## regenerate services/pb from proto/ (committed; a test checks they are current)
 	$(PY) -m services.protogen

@@ -34,7 +34,7 @@ DEPLOYMENTS = {
 
 
 def start(flags: tuple[str, ...], port: int, extra: list[str], log: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "lyanna.cli", "serve", "--port", str(port), *flags, *extra]
+    command = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), *flags, *extra]
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600

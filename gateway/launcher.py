@@ -47,7 +47,7 @@ def banner(config: GatewayConfig, method: str) -> str:
             "Try:",
             f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\",
             f"    -d '{body}'",
-            f"  lyanna chat --url {base}/v1        # or: .venv/bin/python -m lyanna.cli chat",
+            f"  lyanna chat --url {base}/v1        # or: .venv/bin/python -m gateway.cli chat",
             f"Metrics: {base}/metrics   Health: {base}/health",
         ]
     )

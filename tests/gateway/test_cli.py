@@ -33,7 +33,7 @@ def read_banner(process: subprocess.Popen, timeout: float = 120.0) -> list[str]:
 @pytest.mark.parametrize("mode", ["embedded", pytest.param("services", marks=pytest.mark.slow)])
 def test_serve_and_chat_processes(tiny_chat_dir, mode) -> None:
     port = free_port()
-    command = [sys.executable, "-m", "lyanna.cli", "serve", "--model", str(tiny_chat_dir)]
+    command = [sys.executable, "-m", "gateway.cli", "serve", "--model", str(tiny_chat_dir)]
     command += ["--port", str(port), "--method", "ngram", "--max-len", "512", "--mode", mode]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
@@ -42,7 +42,7 @@ def test_serve_and_chat_processes(tiny_chat_dir, mode) -> None:
         assert f"{url}/v1" in banner and "curl" in banner and "lyanna chat" in banner
         assert f"({mode} mode, default method ngram)" in banner
         chat = subprocess.run(
-            [sys.executable, "-m", "lyanna.cli", "chat", "--url", f"{url}/v1"]
+            [sys.executable, "-m", "gateway.cli", "chat", "--url", f"{url}/v1"]
             + ["--prompt", "Say something.", "--max-tokens", "16"],
             capture_output=True,
             text=True,

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_gateway_connects_to_running_services(tiny_chat_dir, loaded) -> None:
-    gateway = [sys.executable, "-m", "lyanna.cli", "serve", "--mode", "services"]
+    gateway = [sys.executable, "-m", "gateway.cli", "serve", "--mode", "services"]
     gateway += ["--verifier-addr", "{verifier_addr}", "--drafter-addr", "{drafter_addr}"]
     gateway += ["--port", "{gateway_port}", "--model", str(tiny_chat_dir), "--method", "{method}"]
     with launch(

@@ -75,7 +75,7 @@ def test_cli_generate_answers(default_model_dir) -> None:
         [
             sys.executable,
             "-m",
-            "lyanna.cli",
+            "gateway.cli",
             "generate",
             "--prompt",
             "What is 2+2?",
