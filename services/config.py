@@ -38,10 +38,16 @@ class ServerConfig:
     plane_addr: str = "127.0.0.1:29511"  # rendezvous (host:port) of the data plane
     plane_timeout: float = 120.0  # seconds to wait for the peer before serving without it
     reflection: bool = False  # gRPC server reflection (lists the services to anyone who asks)
+    metrics_port: int = -1  # Prometheus /metrics: -1 = off, 0 = any free port
+    metrics_port_file: str | None = None  # write the bound metrics port here
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if not -1 <= self.metrics_port < 65536:
+            raise ValueError(
+                f"metrics_port must be -1 (off) or in [0, 65536), got {self.metrics_port}"
+            )
         if self.max_message_mb < 1 or self.workers < 1 or self.torch_threads < 0:
             raise ValueError("max_message_mb and workers must be >= 1, torch_threads >= 0")
         if self.grace_seconds < 0:

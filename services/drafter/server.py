@@ -41,6 +41,7 @@ from services import codec
 from services.config import ServerConfig, parse_configs
 from services.data_plane import DataPlane
 from services.hidden import HiddenReceiver
+from services.metrics import DrafterMetrics, serve_metrics
 from services.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
 from services.server import exit_with_parent, invalid, not_found, out_of_step, rpc_errors, serve
 
@@ -104,6 +105,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.receiver = receiver
         self.vocab_size = vocab_size
         self._committed: dict[int, int] = {}  # seq id -> tokens in the target KV
+        self.metrics = DrafterMetrics()
         self._lock = threading.Lock()
 
     @rpc_errors
@@ -132,6 +134,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 params = codec.decode_params(item.params) if item.HasField("params") else None
                 self.drafter.start(seq_id, prompt, hidden, item.first_token, params)
                 self._committed[seq_id] = len(prompt)
+                self.metrics.starts.inc()
+            self.metrics.sequences.set(len(self._committed))
             self.receiver.end_batch()
         return drafter_pb2.StartResponse(num_started=len(request.items))
 
@@ -159,6 +163,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     self._committed[seq_id] = step.num_committed
             draft_seconds = time.perf_counter() - start
             held = [self._committed[seq_id] for seq_id in seq_ids]
+            self.metrics.draft_seconds.observe(draft_seconds)
+            self.metrics.proposals.inc(len(trees))
+            self.metrics.proposed_tokens.inc(sum(tree.num_drafted for tree in trees))
         proposals = [
             drafter_pb2.Proposal(
                 ref=common_pb2.SeqRef(seq_id=seq_id, num_committed=num_committed),
@@ -175,6 +182,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def Release(self, request, context) -> common_pb2.ReleaseResponse:
         with self._lock:
             released = sum(self._drop(seq_id) for seq_id in request.seq_ids)
+            self.metrics.sequences.set(len(self._committed))
             try:
                 for ref in request.discard:
                     self.receiver.discard(ref)
@@ -276,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     def add(server: grpc.Server) -> None:
         drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
 
+    serve_metrics(servicer.metrics.registry, server_config)
     plane = servicer.receiver.plane
     if plane is not None and not plane.wait_ready(server_config.plane_timeout):
         logging.warning("data plane not ready; hidden states travel inline")

@@ -27,6 +27,7 @@ from services import codec
 from services.config import ServerConfig, parse_configs
 from services.data_plane import DataPlane
 from services.hidden import HiddenSender
+from services.metrics import VerifierMetrics, serve_metrics
 from services.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
 from services.server import ServiceError, exit_with_parent, invalid, out_of_step, rpc_errors, serve
 
@@ -63,6 +64,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.sender = sender
         self.model_name = model_name
         self.vocab_size = runner.model.config.vocab_size
+        self.metrics = VerifierMetrics(config.max_seqs)
         self._lock = threading.Lock()
 
     @rpc_errors
@@ -85,9 +87,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 for seq_id in done:
                     self.runner.release(seq_id)
                 raise
+            self.metrics.slots(self.runner.num_free_slots)
             if not context.is_active():  # the caller gave up (deadline, cancel): keep no slot
                 for seq_id in done:
                     self.runner.release(seq_id)
+                self.metrics.slots(self.runner.num_free_slots)
                 raise ServiceError(
                     grpc.StatusCode.CANCELLED, "the caller is gone; its sequences were released"
                 )
@@ -100,9 +104,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 )
                 for item, message in zip(items, encoded, strict=True)
             ]
-        return verifier_pb2.PrefillResponse(
-            results=results, forward_seconds=time.perf_counter() - start
-        )
+        seconds = time.perf_counter() - start
+        self.metrics.forward_seconds.labels("prefill").observe(seconds)
+        self.metrics.prefill_tokens.inc(sum(len(item.prompt_ids) for item in items))
+        return verifier_pb2.PrefillResponse(results=results, forward_seconds=seconds)
 
     @rpc_errors
     def Verify(self, request, context) -> verifier_pb2.VerifyResponse:
@@ -130,6 +135,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             want_hidden = any(item.return_hidden for item in items)
             verified = self.runner.verify(seq_ids, trees, return_hidden=want_hidden)
             forward_seconds = time.perf_counter() - start
+            self._record_verify(trees, verified, forward_seconds)
             hidden = [
                 v.hidden if item.return_hidden else None
                 for item, v in zip(items, verified, strict=True)
@@ -150,10 +156,19 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             )
         return verifier_pb2.VerifyResponse(results=results, forward_seconds=forward_seconds)
 
+    def _record_verify(self, trees: list[TokenTree], verified, seconds: float) -> None:
+        metrics = self.metrics
+        metrics.forward_seconds.labels("verify").observe(seconds)
+        metrics.sequences_verified.inc(len(trees))
+        metrics.accepted_tokens.inc(sum(v.verdict.num_accepted for v in verified))
+        for tree in trees:
+            metrics.tree_tokens.observe(tree.num_drafted)
+
     @rpc_errors
     def Release(self, request, context) -> common_pb2.ReleaseResponse:
         with self._lock:
             released = sum(self.runner.release(seq_id) for seq_id in request.seq_ids)
+            self.metrics.slots(self.runner.num_free_slots)
         return common_pb2.ReleaseResponse(num_released=released)
 
     @rpc_errors
@@ -235,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     def add(server: grpc.Server) -> None:
         verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
 
+    serve_metrics(servicer.metrics.registry, server_config)
     plane = servicer.sender.plane
     if plane is not None and not plane.wait_ready(server_config.plane_timeout):
         logging.warning("data plane not ready; hidden states travel inline")

@@ -13,16 +13,18 @@ import asyncio
 import time
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.backend import BackendBusy, BackendUnavailable, GenerationRequest
 from gateway.remote import RemoteBackend, RemoteConfig
 from lyanna.drafters import DraftBudget
 from lyanna.drafters.ngram import NgramDrafter
 from lyanna.sampling import SamplingParams
-from services.launch import launch
+from services.launch import free_port, launch
 from services.pb import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from tests.services.remote_client import (
     PROMPTS,
@@ -38,15 +40,24 @@ BUDGET = DraftBudget(depth=4, top_k=2, max_tokens=6)
 BUDGET_FLAGS = ("--depth", "4", "--top-k", "2", "--max-draft-tokens", "6")
 LYANNA_FLAGS = (*BUDGET_FLAGS, "--factory", "tests.services.tiny_drafters:tiny_lyanna")
 MAX_TOKENS = 24
+METRICS_PORTS: dict[str, int] = {}  # the ngram deployment's /metrics ports
 
 
 @pytest.fixture(scope="module")
 def ngram_services(tiny_model_dir):
+    ports = METRICS_PORTS
+    ports.update(verifier=free_port(), drafter=free_port())
     with launch(
         tiny_model_dir,
         "ngram",
-        verifier_args=["--reflection", "true"],
-        drafter_args=[*BUDGET_FLAGS, "--reflection", "true"],
+        verifier_args=["--reflection", "true", "--metrics-port", str(ports["verifier"])],
+        drafter_args=[
+            *BUDGET_FLAGS,
+            "--reflection",
+            "true",
+            "--metrics-port",
+            str(ports["drafter"]),
+        ],
     ) as deployment:
         yield deployment
     # SIGTERM drained the services and they exited cleanly
@@ -360,6 +371,39 @@ def test_gloo_data_plane_carries_hidden_states(tiny_model_dir, tiny_loaded) -> N
     assert backend.drafter.num_plane_transfers > 0
     steps = [s for o in outcomes for s in o.steps]
     assert not any(s.drafter_fallback for s in steps)
+
+
+def scrape(port: int) -> dict[str, float]:
+    """Every sample of a /metrics page, keyed by name and labels."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    return {
+        sample.name + "".join(f",{k}={v}" for k, v in sorted(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_verifier_and_drafter_export_their_own_metrics(ngram_services) -> None:
+    ports = METRICS_PORTS
+    before = scrape(ports["verifier"]), scrape(ports["drafter"])
+    outcomes, _ = run_remote(config_for(ngram_services), PROMPTS[:2], SamplingParams(max_tokens=12))
+    verifier, drafter = scrape(ports["verifier"]), scrape(ports["drafter"])
+
+    def grew(now, then, name):
+        return now[name] - then.get(name, 0.0)
+
+    verified = grew(verifier, before[0], "lyanna_verifier_sequences_verified_total")
+    assert verified == sum(len(o.steps) for o in outcomes) > 0
+    accepted = grew(verifier, before[0], "lyanna_verifier_accepted_tokens_total")
+    assert accepted == sum(s.num_accepted for o in outcomes for s in o.steps)
+    assert grew(verifier, before[0], "lyanna_verifier_tree_tokens_count") == verified
+    assert grew(verifier, before[0], "lyanna_verifier_forward_seconds_count,op=prefill") >= 1
+    assert verifier["lyanna_verifier_kv_slots,state=free"] == 8  # released after the requests
+    assert verifier["lyanna_verifier_kv_slots,state=used"] == 0
+    drafted = sum(s.num_drafted for o in outcomes for s in o.steps)
+    assert grew(drafter, before[1], "lyanna_drafter_proposed_tokens_total") >= drafted > 0
+    assert grew(drafter, before[1], "lyanna_drafter_starts_total") == 2
+    assert grew(drafter, before[1], "lyanna_drafter_draft_seconds_count") >= 1
 
 
 def test_reflection_is_off_unless_asked(lyanna_services) -> None:
