@@ -11,7 +11,6 @@ and bounds the body size. The method of one request may be chosen with the
 
 from __future__ import annotations
 
-import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -22,6 +21,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from gateway.auth import KeyRing, StreamLimiter
 from gateway.backend import GenerationBackend, TokenDelta
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, error_response, install_error_handlers, invalid
@@ -47,27 +47,54 @@ def sse(payload: dict) -> str:
 
 
 class Guard:
-    """ASGI middleware: API keys on ``/v1/`` routes and a bound on request body bytes."""
+    """ASGI middleware: API keys on ``/v1/`` routes (and ``/metrics`` when configured), each
+    key's requests in flight bounded, and a bound on request body bytes."""
 
     def __init__(self, app, config: GatewayConfig) -> None:
         self.app, self.config = app, config
-        self._keys = [key.encode() for key in config.api_keys]
+        self._keys = KeyRing(config.api_keys, config.api_keys_file)
+        self._streams = StreamLimiter(config.max_streams_per_key)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers", ()))
-        if self._keys and scope["path"].startswith("/v1/") and not self._authorized(headers):
-            response = error_response(
-                401,
-                "Incorrect or missing API key.",
-                None,
-                "invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-            await response(scope, receive, send)
+        path = scope["path"]
+        guarded = path.startswith("/v1/") or (path == "/metrics" and self.config.metrics_need_key)
+        key = None
+        if self._keys.enabled and guarded:
+            key = self._keys.match(headers.get(b"authorization", b""))
+            if key is None:
+                response = error_response(
+                    401,
+                    "Incorrect or missing API key.",
+                    None,
+                    "invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                await response(scope, receive, send)
+                return
+        if key is not None and path.startswith("/v1/"):
+            if not self._streams.acquire(key):
+                limit = self._streams.limit
+                response = error_response(
+                    429,
+                    f"this API key already has {limit} requests in flight",
+                    None,
+                    "too_many_requests",
+                    headers={"Retry-After": "1"},
+                )
+                await response(scope, receive, send)
+                return
+            try:
+                await self._bounded(scope, receive, send, headers)
+            finally:
+                self._streams.release(key)
             return
+        await self._bounded(scope, receive, send, headers)
+
+    async def _bounded(self, scope, receive, send, headers: dict[bytes, bytes]) -> None:
         limit = self.config.max_body_bytes
         declared = headers.get(b"content-length", b"0")
         if not declared.isdigit() or int(declared) > limit:
@@ -85,11 +112,6 @@ class Guard:
             return message
 
         await self.app(scope, bounded_receive, send)
-
-    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
-        scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
-        key = key.strip()
-        return scheme.lower() == b"bearer" and any(hmac.compare_digest(key, k) for k in self._keys)
 
 
 def create_app(

@@ -107,6 +107,16 @@ def _add_serve(sub) -> None:
     serve.add_argument("--max-len", type=int, default=2048, help="KV rows per sequence")
     serve.add_argument("--max-waiting", type=int, default=64, help="queue bound (then 429)")
     serve.add_argument(
+        "--api-keys-file",
+        help="API keys, one per line, reloaded when the file changes (env LYANNA_API_KEYS_FILE; "
+        "LYANNA_API_KEYS adds comma-separated keys)",
+    )
+    serve.add_argument(
+        "--max-streams-per-key",
+        type=int,
+        help="requests in flight per API key, then 429 (env LYANNA_MAX_STREAMS_PER_KEY; 0: none)",
+    )
+    serve.add_argument(
         "--queue-timeout",
         type=float,
         default=float(os.environ.get("LYANNA_QUEUE_TIMEOUT", "60")),

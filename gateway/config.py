@@ -19,7 +19,10 @@ class GatewayConfig:
     port: int = 8000
     mode: str = "embedded"  # "embedded" | "services"; also the ``service`` metrics label
     model_name: str = "SmolLM2-135M-Instruct"  # the one model /v1/models lists
-    api_keys: tuple[str, ...] = ()  # empty = no authentication
+    api_keys: tuple[str, ...] = ()  # empty (and no key file) = no authentication
+    api_keys_file: str = ""  # one key per line, reloaded when it changes (gateway.auth)
+    metrics_need_key: bool = False  # also require a key on GET /metrics
+    max_streams_per_key: int = 0  # requests in flight per key (then 429); 0 = unbounded
     max_body_bytes: int = 1 << 20
     max_messages: int = 128
     max_prompt_tokens: int = 4096  # also bounded by the backend's context
@@ -46,6 +49,10 @@ class GatewayConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.max_streams_per_key < 0:
+            raise ValueError("max_streams_per_key must be >= 0")
+        if self.metrics_need_key and not (self.api_keys or self.api_keys_file):
+            raise ValueError("metrics_need_key needs API keys")
         if not 0 <= self.max_stop_strings <= MAX_STOP_STRINGS:
             raise ValueError(f"max_stop_strings must be in [0, {MAX_STOP_STRINGS}]")
 
@@ -61,6 +68,8 @@ class GatewayConfig:
                 continue
             if f.name == "api_keys":
                 values[f.name] = tuple(k.strip() for k in raw.split(",") if k.strip())
+            elif isinstance(f.default, bool):
+                values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
             elif isinstance(f.default, int):
                 values[f.name] = int(raw)
             else:

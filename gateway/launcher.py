@@ -35,7 +35,7 @@ FALLBACK_METHODS = ("eagle", "ngram", "ar")
 def banner(config: GatewayConfig, method: str) -> str:
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
     base = f"http://{host}:{config.port}"
-    auth = " -H 'Authorization: Bearer $KEY'" if config.api_keys else ""
+    auth = " -H 'Authorization: Bearer $KEY'" if config.api_keys or config.api_keys_file else ""
     body = (
         f'{{"model": "{config.model_name}", "messages": [{{"role": "user", '
         f'"content": "Explain speculative decoding in two sentences."}}], "max_tokens": 128}}'
@@ -55,7 +55,13 @@ def banner(config: GatewayConfig, method: str) -> str:
 
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    overrides = {"host": args.host, "port": args.port, "mode": args.mode}
+    overrides = {
+        "host": args.host,
+        "port": args.port,
+        "mode": args.mode,
+        "api_keys_file": args.api_keys_file,
+        "max_streams_per_key": args.max_streams_per_key,
+    }
     if args.model:
         overrides["model_name"] = Path(args.model).stem
     config = GatewayConfig.from_env(**overrides)

@@ -5,6 +5,10 @@ missing or wrong API keys, a full queue (429) and a dead backend (503)."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import threading
+import time
 from collections.abc import AsyncIterator
 
 import httpx
@@ -200,3 +204,80 @@ def test_completion_token_ids_out_of_vocabulary_are_400(http) -> None:
     assert_error(http.post("/v1/completions", json=body), 400, "prompt")
     body["prompt"] = []
     assert_error(http.post("/v1/completions", json=body), 400, "prompt")
+
+
+def test_api_keys_from_a_file_rotate_without_a_restart(loaded, tmp_path) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text("alpha  # the first key\n\n")
+    config = GatewayConfig(model_name=MODEL_NAME, api_keys_file=str(key_file))
+    server = start_gateway(loaded, config)
+
+    def status(key: str) -> int:
+        headers = {"Authorization": f"Bearer {key}"}
+        return httpx.get(server.url + "/v1/models", headers=headers).status_code
+
+    try:
+        assert (status("alpha"), status("beta")) == (200, 401)
+        key_file.write_text("beta\n")
+        os.utime(key_file, (time.time() + 5, time.time() + 5))  # a visibly newer file
+        time.sleep(1.1)  # the file is looked at once a second
+        assert (status("alpha"), status("beta")) == (401, 200)
+        key_file.write_text("")  # an emptied file keeps the last keys, never opens the door
+        os.utime(key_file, (time.time() + 10, time.time() + 10))
+        time.sleep(1.1)
+        assert (status("beta"), status("gamma")) == (200, 401)
+    finally:
+        server.stop()
+
+
+def test_metrics_can_require_a_key(loaded) -> None:
+    config = GatewayConfig(model_name=MODEL_NAME, api_keys=("k1",), metrics_need_key=True)
+    server = start_gateway(loaded, config)
+    try:
+        assert assert_error(httpx.get(server.url + "/metrics"), 401)["code"] == "invalid_api_key"
+        good = httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer k1"})
+        assert good.status_code == 200 and "lyanna_spec_draft_steps_total" in good.text
+        assert httpx.get(server.url + "/health").status_code == 200
+    finally:
+        server.stop()
+
+
+class HoldingBackend(RefusingBackend):
+    """Streams one token, then holds the request open until ``release`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__(RuntimeError("unused"))
+        self.release = threading.Event()
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        yield TokenDelta([5], prompt_tokens=len(request.prompt_ids))
+        while not self.release.is_set():
+            await asyncio.sleep(0.01)
+        yield TokenDelta([6], finish_reason="length")
+
+
+def test_each_key_has_a_bounded_number_of_requests_in_flight(default_tokenizer) -> None:
+    config = GatewayConfig(model_name=MODEL_NAME, api_keys=("k1", "k2"), max_streams_per_key=1)
+    backend = HoldingBackend()
+    server = ThreadedServer(create_app(backend, default_tokenizer, config)).start()
+    k1, k2 = ({"Authorization": f"Bearer {k}"} for k in ("k1", "k2"))
+    body = chat_body(stream=True, model=MODEL_NAME)
+    try:
+        with httpx.Client(base_url=server.url, timeout=10) as client:
+            with client.stream("POST", CHAT, json=body, headers=k1) as held:
+                assert held.status_code == 200
+                lines = held.iter_lines()  # kept: a dropped iterator closes the stream
+                next(lines)  # the first token arrived: k1 has one request open
+                refused = client.post(CHAT, json=body, headers=k1)
+                assert assert_error(refused, 429)["code"] == "too_many_requests"
+                assert refused.headers["Retry-After"] == "1"
+                assert client.get("/v1/models", headers=k2).status_code == 200  # other keys
+                backend.release.set()
+                rest = list(lines)
+            assert any("[DONE]" in line for line in rest)
+            backend.release.clear()
+            backend.release.set()
+            again = client.post(CHAT, json=chat_body(model=MODEL_NAME), headers=k1)
+            assert again.status_code == 200  # the finished stream gave its place back
+    finally:
+        server.stop()

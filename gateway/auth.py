@@ -1,0 +1,110 @@
+"""API keys and per-key limits for the HTTP surface.
+
+Keys come from the configuration (``LYANNA_API_KEYS``) and, optionally, a file with one key
+per line (``#`` comments; ``--api-keys-file`` / ``LYANNA_API_KEYS_FILE``). The file is read
+again when it changes (checked at most once a second), so keys rotate without a restart; an
+unreadable or emptied file keeps the keys last read rather than opening the door. Keys are
+compared in constant time. ``max_streams_per_key`` bounds each key's requests in flight: one
+more gets a 429 with ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+RELOAD_SECONDS = 1.0  # how often the key file's modification time is looked at
+MAX_KEYS = 10_000
+MAX_KEY_BYTES = 256
+
+
+def read_key_file(path: str | Path) -> tuple[bytes, ...]:
+    """The keys of a key file (bounded in number and length; blank lines and comments skipped)."""
+    keys = []
+    for line in Path(path).read_text().splitlines():
+        key = line.split("#", 1)[0].strip()
+        if not key:
+            continue
+        if len(key.encode()) > MAX_KEY_BYTES:
+            raise ValueError(f"an API key in {path} is longer than {MAX_KEY_BYTES} bytes")
+        keys.append(key.encode())
+        if len(keys) > MAX_KEYS:
+            raise ValueError(f"{path} holds more than {MAX_KEYS} keys")
+    return tuple(keys)
+
+
+class KeyRing:
+    """The accepted keys: fixed ones plus a reloadable file; empty = no authentication."""
+
+    def __init__(self, keys: tuple[str, ...] = (), key_file: str = "") -> None:
+        self._fixed = tuple(k.encode() for k in keys)
+        self._file = key_file
+        self._from_file: tuple[bytes, ...] = ()
+        self._mtime: float | None = None
+        self._checked = 0.0
+        if key_file:
+            self._from_file = read_key_file(key_file)  # fail at start on a bad file
+            self._mtime = os.stat(key_file).st_mtime
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._fixed or self._file)
+
+    def match(self, authorization: bytes) -> bytes | None:
+        """The key a ``Bearer`` authorization header carries, if it is accepted."""
+        scheme, _, key = authorization.partition(b" ")
+        key = key.strip()
+        if scheme.lower() != b"bearer" or not key:
+            return None
+        self._maybe_reload()
+        found = None
+        for candidate in (*self._fixed, *self._from_file):  # no early exit: constant time
+            if hmac.compare_digest(key, candidate):
+                found = candidate
+        return found
+
+    def _maybe_reload(self) -> None:
+        now = time.monotonic()
+        if not self._file or now - self._checked < RELOAD_SECONDS:
+            return
+        self._checked = now
+        try:
+            mtime = os.stat(self._file).st_mtime
+            if mtime == self._mtime:
+                return
+            keys = read_key_file(self._file)
+        except (OSError, ValueError) as error:
+            logger.warning("API key file not reloaded (%s); keeping the last keys", error)
+            return
+        if not keys:
+            logger.warning("API key file %s is empty; keeping the last keys", self._file)
+            return
+        self._from_file, self._mtime = keys, mtime
+        logger.info("reloaded %d API keys from %s", len(keys), self._file)
+
+
+class StreamLimiter:
+    """Requests in flight per key; ``limit`` 0 = unbounded."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._active: dict[bytes, int] = {}
+
+    def acquire(self, key: bytes) -> bool:
+        count = self._active.get(key, 0)
+        if self.limit and count >= self.limit:
+            return False
+        self._active[key] = count + 1
+        return True
+
+    def release(self, key: bytes) -> None:
+        count = self._active.get(key, 0) - 1
+        if count > 0:
+            self._active[key] = count
+        else:
+            self._active.pop(key, None)
