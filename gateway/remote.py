@@ -53,6 +53,11 @@ from services.pb import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2,
 logger = logging.getLogger(__name__)
 
 TARGET_ONLY = "ar"
+# a verifier call that failed this way may have lost the sequences (restart, outage): they
+# wait, up to queue_timeout, to be re-prefilled from the gateway's history and go on
+RESUMABLE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED}
+)
 
 __all__ = ["RemoteBackend", "RemoteConfig"]
 
@@ -80,6 +85,7 @@ class RemoteBackend:
         self.vocab_size = 0
         self.num_fallback_steps = 0
         self.num_verified_steps = 0
+        self.num_resumed = 0  # sequences re-prefilled after the verifier lost them
         self._waiting: deque[RemoteSeq] = deque()
         self._lanes = [_Lane() for _ in range(2 if config.pipeline else 1)]
         self._num_running = 0
@@ -193,7 +199,7 @@ class RemoteBackend:
 
     def _expire(self, seq: RemoteSeq) -> None:
         """A request still waiting for a slot after ``queue_timeout`` gets BackendBusy."""
-        if seq in self._waiting:
+        if seq in self._waiting and seq.resume_by is None:  # resuming: its own deadline
             self._waiting.remove(seq)
             timeout = self.config.queue_timeout
             seq.deliver(BackendBusy(f"no sequence slot became free within {timeout:g} s"))
@@ -229,30 +235,54 @@ class RemoteBackend:
                         seq.deliver(BackendUnavailable("internal error (logged)"))
 
     def _fail_waiting(self, error: grpc.aio.AioRpcError) -> None:
+        """The verifier is unreachable: new requests fail at once, resuming ones wait on."""
         failure = _verifier_failure(error)
-        while self._waiting:
-            self._waiting.popleft().deliver(failure)
+        waiting, self._waiting = self._waiting, deque()
+        for seq in waiting:
+            if self._may_resume(seq, error.code()):
+                self._waiting.append(seq)
+            else:
+                seq.deliver(failure)
+        if self._waiting:
+            asyncio.get_running_loop().call_later(0.5, self._admit.set)
+
+    def _may_resume(self, seq: RemoteSeq, code: grpc.StatusCode) -> bool:
+        return seq.resume_by is not None and code in RESUMABLE and time.monotonic() < seq.resume_by
+
+    def _requeue(self, seqs: list[RemoteSeq]) -> None:
+        """Sequences the verifier may have lost go first in line to be re-prefilled."""
+        self._num_running -= len(seqs)
+        for seq in seqs:
+            seq.desync()  # the drafter restarts from the history too
+        self._waiting.extendleft(reversed(seqs))
+        self._admit.set()
 
     async def _prefill(self, batch: list[RemoteSeq]) -> None:
         if not batch:
             return
         items = [
-            verifier_pb2.PrefillItem(
-                seq_id=s.seq_id,
-                prompt_ids=s.sequence.prompt_ids,
-                params=codec.encode_params(s.sequence.params),
-                return_hidden=self.drafter is not None and self.drafter.wants_hidden(s, True),
-            )
+            s.prefill_item(self.drafter is not None and self.drafter.wants_hidden(s, True))
             for s in batch
         ]
+        resuming = [s for s in batch if s.resume_by is not None]
+        if resuming:  # a verifier that only timed out may still hold them
+            await self._release_on_verifier(resuming)
         try:
             response = await self._verifier.Prefill(
                 verifier_pb2.PrefillRequest(items=items), timeout=self.config.prefill_deadline
             )
         except grpc.aio.AioRpcError as error:
-            if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # slots went elsewhere
-                self._waiting.extendleft(reversed(batch))
+            retry = [
+                s
+                for s in batch
+                if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # slots went elsewhere
+                or self._may_resume(s, error.code())
+            ]
+            self._waiting.extendleft(reversed(retry))
+            if retry:
                 asyncio.get_running_loop().call_later(0.2, self._admit.set)
+            batch = [s for s in batch if s not in retry]
+            if not batch:
                 return
             failure: Exception = _verifier_failure(error)
             if error.code() == grpc.StatusCode.INVALID_ARGUMENT:  # the request's own fault
@@ -264,18 +294,19 @@ class RemoteBackend:
             return
         finished = []
         for seq, result in zip(batch, response.results, strict=True):
-            seq.history = list(seq.sequence.prompt_ids)
-            seq.next_token = result.first_token
             if result.prompt_hidden.WhichOneof("payload") == "tensor":
                 seq.hidden_history = [codec.decode_tensor(result.prompt_hidden.tensor)]
-            emitted = seq.sequence.append([result.first_token])
-            seq.deliver(
-                TokenDelta(
-                    emitted,
-                    seq.sequence.finish_reason,
-                    prompt_tokens=len(seq.sequence.prompt_ids),
+            if seq.resume_by is not None:  # its history and next token are already known
+                seq.resume_by = None
+                self.num_resumed += 1
+            else:
+                seq.history = list(seq.sequence.prompt_ids)
+                seq.next_token = result.first_token
+                emitted = seq.sequence.append([result.first_token])
+                prompt_tokens = len(seq.sequence.prompt_ids)
+                seq.deliver(
+                    TokenDelta(emitted, seq.sequence.finish_reason, prompt_tokens=prompt_tokens)
                 )
-            )
             self._num_running += 1
             if seq.sequence.finished or seq.cancelled:
                 finished.append(seq)
@@ -315,7 +346,10 @@ class RemoteBackend:
                 finished = batch
             if finished:
                 lane.seqs = [s for s in lane.seqs if s not in finished]
-                await self._release(finished)
+                resuming = [s for s in finished if s.resume_by is not None and not s.done]
+                await self._release([s for s in finished if s not in resuming])
+                if resuming:
+                    self._requeue(resuming)
 
     def _rebalance(self, lane: _Lane) -> None:
         """Hand sequences to the emptiest lane so both halves of the pipeline stay busy (safe:
@@ -350,6 +384,11 @@ class RemoteBackend:
         try:
             response = await self._verifier.Verify(request, timeout=self.config.verify_deadline)
         except grpc.aio.AioRpcError as error:
+            if error.code() in RESUMABLE:  # the lane requeues them for a re-prefill
+                logger.warning("verify failed (%s); resuming %d", error.code().name, len(batch))
+                for seq in batch:
+                    seq.resume_by = time.monotonic() + self.config.queue_timeout
+                return batch
             failure = _verifier_failure(error)
             for seq in batch:
                 seq.deliver(failure)

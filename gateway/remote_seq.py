@@ -10,14 +10,14 @@ sequence (restart, missed step, deadline) can be started again from the full his
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from gateway.backend import TokenDelta
 from lyanna.sequence import Sequence
 from services import codec
-from services.pb import common_pb2, drafter_pb2
+from services.pb import common_pb2, drafter_pb2, verifier_pb2
 
 ROOT_ONLY_SCHEME = common_pb2.DRAFT_SCHEME_TOPK
 
@@ -39,6 +39,7 @@ class RemoteSeq:
     resampled_accepted: int = 0  # reported by the drafter, owed to the next delta
     cancelled: bool = False
     done: bool = False
+    resume_by: float | None = None  # set while waiting to be re-prefilled (monotonic deadline)
 
     @property
     def seq_id(self) -> int:
@@ -61,6 +62,27 @@ class RemoteSeq:
         """The drafter's state for this sequence is unknown: start it again before drafting."""
         self.drafter_synced = False
         self.pending_step = None
+
+    def prefill_item(self, return_hidden: bool) -> verifier_pb2.PrefillItem:
+        """Prefill the prompt, or when resuming (after the verifier lost the sequence) every
+        committed token, with the next token already decided and the tokens still allowed."""
+        params = self.sequence.params
+        if self.resume_by is None:
+            prompt, next_token = self.sequence.prompt_ids, None
+        else:
+            left = max(1, params.max_tokens - len(self.sequence.output_ids))
+            prompt, next_token, params = (
+                self.history,
+                self.next_token,
+                replace(params, max_tokens=left),
+            )
+        return verifier_pb2.PrefillItem(
+            seq_id=self.seq_id,
+            prompt_ids=prompt,
+            params=codec.encode_params(params),
+            return_hidden=return_hidden,
+            next_token=next_token,
+        )
 
     def can_resync(self, needs_hidden: bool) -> bool:
         return not needs_hidden or self.keep_hidden

@@ -100,9 +100,12 @@ class TargetRunner:
         prompt_ids: list[int],
         params: SamplingParams,
         generator: torch.Generator | None = None,
+        next_token: int | None = None,
     ) -> Prefilled:
         """Fill a fresh slot with the prompt and decide the first token (``generator``
-        defaults to one made from ``params``; the runner keeps it for later verifications)."""
+        defaults to one made from ``params``; the runner keeps it for later verifications).
+        ``next_token`` resumes a sequence whose next token is already decided (a re-prefill of
+        every committed token after a restart): it becomes the first token, nothing is drawn."""
         if seq_id in self._seqs:
             raise OutOfStepError(f"sequence {seq_id} is already prefilled")
         if not prompt_ids:
@@ -117,7 +120,10 @@ class TargetRunner:
         except Exception:
             self.cache.release(slot)
             raise
-        first = int(greedy_or_sample(self.model.logits(hidden[-1:]), params, generator))
+        if next_token is None:
+            first = int(greedy_or_sample(self.model.logits(hidden[-1:]), params, generator))
+        else:
+            first = next_token
         self._seqs[seq_id] = _TargetSeq(slot, params, generator, first)
         return Prefilled(first, hidden, len(prompt_ids))
 

@@ -80,7 +80,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         with self._lock:
             try:
                 for item, item_params in zip(items, params, strict=True):
-                    prefilled = self.runner.prefill(item.seq_id, list(item.prompt_ids), item_params)
+                    resume = item.next_token if item.HasField("next_token") else None
+                    prefilled = self.runner.prefill(
+                        item.seq_id, list(item.prompt_ids), item_params, next_token=resume
+                    )
                     done.append(item.seq_id)
                     hidden.append(prefilled.hidden if item.return_hidden else None)
             except Exception:
@@ -190,7 +193,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def _check_prompts(self, items, params: list[SamplingParams]) -> None:
         for item, item_params in zip(items, params, strict=True):
             prompt = item.prompt_ids
-            if not prompt or any(not 0 <= t < self.vocab_size for t in prompt):
+            resume = [item.next_token] if item.HasField("next_token") else []
+            if not prompt or any(not 0 <= t < self.vocab_size for t in (*prompt, *resume)):
                 raise invalid(
                     f"sequence {item.seq_id}: prompt ids must be in [0, {self.vocab_size})"
                 )

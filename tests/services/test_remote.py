@@ -355,6 +355,38 @@ def test_killed_drafter_falls_back_then_recovers(tiny_model_dir, tiny_loaded) ->
     assert not after.steps[-1].drafter_fallback
 
 
+def test_a_restarted_verifier_loses_no_request(tiny_model_dir, tiny_loaded) -> None:
+    """The verifier is killed mid-generation and comes back empty: every running sequence is
+    re-prefilled from the gateway's history (the drafter resynced from it) and the answers
+    equal an uninterrupted run, token for token."""
+    params = SamplingParams(max_tokens=120)
+    expected = plain_greedy(tiny_loaded, PROMPTS[:2], 120)
+
+    async def run(deployment):
+        backend = RemoteBackend(config_for(deployment), frozenset(), lambda ids: "")
+        await backend.start()
+
+        async def kill_and_restart() -> None:
+            while backend.num_verified_steps < 6:
+                await asyncio.sleep(0.005)
+            await asyncio.to_thread(deployment.restart, "verifier")
+
+        outcomes = await asyncio.gather(
+            collect(backend, PROMPTS[0], params),
+            collect(backend, PROMPTS[1], params),
+            kill_and_restart(),
+        )
+        await backend.stop()
+        return outcomes[:2], backend.num_resumed
+
+    with launch(tiny_model_dir, "lyanna", drafter_args=LYANNA_FLAGS) as deployment:
+        outcomes, resumed = asyncio.run(run(deployment))
+    assert [o.tokens for o in outcomes] == expected
+    assert [o.finish_reason for o in outcomes] == ["length", "length"] and resumed >= 1
+    steps = [s for o in outcomes for s in o.steps]
+    assert sum(s.num_accepted for s in steps) > 0  # speculation went on around the restart
+
+
 async def killer_of(backend: RemoteBackend, deployment) -> None:
     """Kill the drafter once a few verifications have gone through."""
     while backend.num_verified_steps < 6:
