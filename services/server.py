@@ -9,13 +9,12 @@ slot or room is RESOURCE_EXHAUSTED; anything else is INTERNAL with the error tex
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import os
 import signal
-import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
@@ -29,8 +28,6 @@ from lyanna.target import OutOfStepError, UnknownSequenceError
 from services.config import PARENT_PID_ENV, ServerConfig
 
 log = logging.getLogger("lyanna.services")
-
-PR_SET_PDEATHSIG = 1
 
 
 class ServiceError(Exception):
@@ -84,15 +81,25 @@ def rpc_errors(handler: Callable) -> Callable:
     return wrapped
 
 
-def exit_with_parent() -> None:
-    """Linux: get SIGTERM (and drain) when the launcher named in ``LYANNA_PARENT_PID`` dies;
-    exit at once if it is already gone. A no-op when the variable is unset."""
+def exit_with_parent(poll_seconds: float = 0.5) -> None:
+    """Get SIGTERM (and drain) when the launcher process named in ``LYANNA_PARENT_PID`` dies;
+    exit at once if it is already gone. A no-op when the variable is unset. A watchdog polls
+    the parent pid rather than using Linux's PR_SET_PDEATHSIG, which fires when the *thread*
+    that spawned us exits: a service restarted from a worker thread (``asyncio.to_thread``)
+    would die with that thread."""
     parent = os.environ.get(PARENT_PID_ENV)
-    if parent is None or not sys.platform.startswith("linux"):
+    if parent is None:
         return
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != int(parent):
         raise SystemExit(f"launcher {parent} is gone")
+
+    def watch() -> None:
+        while os.getppid() == int(parent):
+            time.sleep(poll_seconds)
+        log.warning("launcher %s is gone; stopping", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
 def serve(
