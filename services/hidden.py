@@ -19,6 +19,11 @@ from services.pb import common_pb2
 
 log = logging.getLogger("lyanna.services.hidden")
 
+# Transfer ids grow by one per send. A reference may run this far ahead of the newest transfer
+# received (two pipeline lanes keep a few in flight); one further ahead, or one already
+# received, would block the drafter in a receive no send will ever match: refused up front.
+PLANE_WINDOW = 64
+
 
 class HiddenSender:
     def __init__(self, plane: DataPlane | None = None) -> None:
@@ -74,6 +79,8 @@ class HiddenReceiver:
         self.plane = plane
         self.limits = limits
         self._received: dict[int, torch.Tensor] = {}  # transfer id -> [total_rows, hidden]
+        self._newest = 0  # the highest transfer id received so far
+        self._done: set[int] = set()  # ids received, within the window below the newest
 
     def decode(self, message: common_pb2.HiddenStates, num_rows: int) -> torch.Tensor:
         """The [num_rows, hidden] rows the message carries or refers to."""
@@ -112,7 +119,19 @@ class HiddenReceiver:
             raise codec.WireError("data-plane rows lie outside the transfer")
         batch = self._received.get(ref.transfer_id)
         if batch is None:
+            self._check_fresh(ref.transfer_id)
             shape = (ref.total_rows, self.hidden_size)
             batch = self.plane.recv(ref.transfer_id, shape, self.dtype)
             self._received[ref.transfer_id] = batch
+            self._done.add(ref.transfer_id)
+            self._newest = max(self._newest, ref.transfer_id)
+            self._done = {i for i in self._done if i > self._newest - PLANE_WINDOW}
         return batch[ref.row_offset : ref.row_offset + ref.num_rows]
+
+    def _check_fresh(self, transfer_id: int) -> None:
+        """Refuse, before any allocation or blocking receive, a transfer already received or
+        not plausibly sent yet (a stale or forged reference)."""
+        if transfer_id in self._done or transfer_id <= self._newest - PLANE_WINDOW:
+            raise codec.WireError(f"data-plane transfer {transfer_id} was already received")
+        if transfer_id > self._newest + PLANE_WINDOW:
+            raise codec.WireError(f"data-plane transfer {transfer_id} is not expected")

@@ -13,6 +13,7 @@ from lyanna.drafters.ngram import NgramDrafter
 from lyanna.target import TargetConfig, TargetRunner
 from lyanna.tree import DraftScheme, TokenTree
 from services import codec
+from services.codec import WireError
 from services.drafter.server import DrafterConfig, DrafterServicer
 from services.hidden import HiddenReceiver, HiddenSender
 from services.pb import common_pb2, drafter_pb2, verifier_pb2
@@ -134,3 +135,36 @@ def test_drafter_without_hidden_ignores_them() -> None:
     servicer.Start(drafter_pb2.StartRequest(items=[start]), FakeContext())
     info = servicer.Info(drafter_pb2.InfoRequest(), FakeContext())
     assert info.method == "ngram" and not info.needs_hidden and info.max_draft_tokens == 6
+
+
+class RecordingPlane:
+    """A data plane that hands out zero rows and records what was received."""
+
+    ready = True
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+
+    def recv(self, transfer_id: int, shape, dtype) -> torch.Tensor:
+        self.received.append(transfer_id)
+        return torch.zeros(shape, dtype=dtype)
+
+
+def test_stale_or_forged_plane_references_are_refused_before_receiving() -> None:
+    plane = RecordingPlane()
+    receiver = HiddenReceiver(8, torch.float32, plane)
+
+    def ref(transfer_id: int) -> common_pb2.HiddenStates:
+        plane_ref = common_pb2.PlaneRef(
+            transfer_id=transfer_id, row_offset=0, num_rows=2, total_rows=4
+        )
+        return common_pb2.HiddenStates(plane=plane_ref)
+
+    assert receiver.decode(ref(1), 2).shape == (2, 8)
+    assert receiver.decode(ref(1), 2).shape == (2, 8)  # the same call: received once
+    receiver.end_batch()
+    for stale_or_forged, why in ((1, "already received"), (10_000, "not expected")):
+        with pytest.raises(WireError, match=why):
+            receiver.decode(ref(stale_or_forged), 2)
+    receiver.decode(ref(3), 2)  # a lane ahead of the other: within the window
+    assert plane.received == [1, 3]
