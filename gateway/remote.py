@@ -295,7 +295,8 @@ class RemoteBackend:
         finished = []
         for seq, result in zip(batch, response.results, strict=True):
             if result.prompt_hidden.WhichOneof("payload") == "tensor":
-                seq.hidden_history = [codec.decode_tensor(result.prompt_hidden.tensor)]
+                rows = codec.decode_tensor(result.prompt_hidden.tensor)
+                seq.keep_rows(rows, self.config.max_hidden_bytes, fresh=True)
             if seq.resume_by is not None:  # its history and next token are already known
                 seq.resume_by = None
                 self.num_resumed += 1
@@ -418,7 +419,7 @@ class RemoteBackend:
         seq.history.extend(result.committed)
         seq.next_token = result.tokens[-1]
         if seq.keep_hidden and result.hidden.WhichOneof("payload") == "tensor":
-            seq.hidden_history.append(codec.decode_tensor(result.hidden.tensor))
+            seq.keep_rows(codec.decode_tensor(result.hidden.tensor), self.config.max_hidden_bytes)
         if self.drafter is not None:
             self.drafter.learn(seq, result)
 

@@ -24,6 +24,9 @@ class RemoteConfig:
     drafter_retry_seconds: float = 1.0
     use_data_plane: bool = False  # hidden states verifier -> drafter over torch.distributed
     max_message_mb: int = 64
+    # hidden states kept per sequence to restart a hidden-state drafter from its history;
+    # past this a drafter that loses the sequence leaves it target-only (None: max_message_mb)
+    max_hidden_mb: float | None = None
     drain_seconds: float = 30.0
 
     def __post_init__(self) -> None:
@@ -36,6 +39,11 @@ class RemoteConfig:
             raise ValueError("deadlines must be > 0 and drafter_retry_seconds >= 0")
         if self.use_data_plane and self.drafter_addr is None:
             raise ValueError("the data plane needs a drafter")
+
+    @property
+    def max_hidden_bytes(self) -> int:
+        mb = self.max_message_mb if self.max_hidden_mb is None else self.max_hidden_mb
+        return int(mb * 1024 * 1024)
 
     def channel_options(self) -> list[tuple[str, int]]:
         size = self.max_message_mb * 1024 * 1024

@@ -84,6 +84,16 @@ class RemoteSeq:
             next_token=next_token,
         )
 
+    def keep_rows(self, rows: torch.Tensor, max_bytes: int, fresh: bool = False) -> None:
+        """Keep committed tokens' hidden rows for a drafter resync (``fresh``: they replace
+        the history), at most ``max_bytes`` per sequence: past it the history is dropped and
+        a drafter that loses this sequence leaves it target-only (its tokens stay exact)."""
+        history = [] if fresh else self.hidden_history
+        history.append(rows)
+        if sum(h.numel() * h.element_size() for h in history) > max_bytes:
+            history, self.keep_hidden = [], False
+        self.hidden_history = history
+
     def can_resync(self, needs_hidden: bool) -> bool:
         return not needs_hidden or self.keep_hidden
 

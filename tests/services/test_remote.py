@@ -186,6 +186,19 @@ def test_a_request_that_finds_no_slot_in_time_is_busy(ngram_services) -> None:
     assert 0.15 < waited < 5.0 and still_waiting == 0 and len(tokens) == 4
 
 
+def test_hidden_history_past_its_bound_leaves_sequences_target_only(
+    lyanna_services, tiny_loaded
+) -> None:
+    """The gateway keeps no more hidden rows per sequence than max_hidden_mb (here less than
+    one prompt's): the drafter cannot be started from them, so the sequences decode
+    target-only, exactly, instead of sending an oversized Start."""
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    config = config_for(lyanna_services, max_hidden_mb=0.0001)
+    outcomes, backend = run_remote(config, PROMPTS[:2], params)
+    assert [o.tokens for o in outcomes] == plain_greedy(tiny_loaded, PROMPTS[:2], MAX_TOKENS)
+    assert sum(s.num_drafted for o in outcomes for s in o.steps) == 0
+
+
 def test_lost_drafter_state_is_rebuilt_from_the_history(lyanna_services, tiny_loaded) -> None:
     """The drafter forgets a running sequence (as after a restart): the backend starts it
     again from every committed token and hidden state, and speculation goes on."""
