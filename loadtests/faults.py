@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     texts = load_prompts()[: args.requests]
     prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": t}]) for t in texts]
     torch.set_num_threads(1)  # the services' numerics (one thread each)
-    model = load_model(model_dir)
+    model = load_model(model_dir, weights="auto")  # what the verifier loads (one thread)
     seqs = [
         Sequence(i, p, SamplingParams(max_tokens=args.max_tokens)) for i, p in enumerate(prompts)
     ]
