@@ -55,3 +55,23 @@ def test_promtool_checks_and_unit_tests_pass(tmp_path: Path) -> None:
     shutil.copy(RULES_DIR / "lyanna-rules.test.yaml", tmp_path)
     failed = run(tool, "test", "rules", "lyanna-rules.test.yaml", cwd=tmp_path)
     assert failed.returncode != 0 and "acceptance_length" in failed.stdout + failed.stderr
+
+
+@pytest.mark.slow  # needs promtool
+def test_promtool_accepts_every_process_exposition() -> None:
+    from prometheus_client import generate_latest
+
+    from gateway.metrics import GatewayMetrics
+    from services.metrics import DrafterMetrics, VerifierMetrics
+
+    tool = promtool()
+    verifier, drafter = VerifierMetrics(4), DrafterMetrics()
+    verifier.forward_seconds.labels("verify").observe(0.1)
+    drafter.draft_seconds.observe(0.01)
+    for registry in (GatewayMetrics("m", "s").registry, verifier.registry, drafter.registry):
+        text = generate_latest(registry)
+        checked = subprocess.run(
+            [tool, "check", "metrics"], input=text, capture_output=True, timeout=60
+        )
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+        assert b"lyanna_" in text
