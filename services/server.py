@@ -130,11 +130,14 @@ def serve(
         scratch.write_text(str(port))
         scratch.replace(config.port_file)
     log.info("serving %s on %s:%d", ", ".join(service_names), config.host, port)
-    stopping = threading.Event()
+    # The handler only records the signal: setting a threading.Event from a signal handler
+    # deadlocks when the signal lands while the main thread holds that Event's lock inside
+    # Event.wait (seen: a service that ignored every later SIGTERM).
+    signals: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stopping.set())
-    while not stopping.wait(0.5):
-        pass
+        signal.signal(sig, lambda signum, _frame: signals.append(signum))
+    while not signals:
+        time.sleep(0.2)
     log.info("draining (grace %.1fs)", config.grace_seconds)
     health_servicer.enter_graceful_shutdown()
     server.stop(config.grace_seconds).wait()
