@@ -57,14 +57,18 @@ def test_sigterm_drains_in_flight_calls(tiny_model_dir) -> None:
 
 def test_a_burst_of_signals_still_stops_a_service(tiny_model_dir) -> None:
     """Signals that land while the main loop waits must not wedge it (a handler that set a
-    threading.Event deadlocked on the Event's own lock and ignored every later SIGTERM)."""
+    threading.Event could deadlock on the Event's own lock and ignore every later SIGTERM).
+    A signal that lands after the drain, while Python shuts down, ends the process by
+    SIGTERM's default action: that is a stop too; hanging is the failure."""
     with launch(tiny_model_dir, "ngram") as deployment:
         processes = [deployment.children[name].process for name in ("verifier", "drafter")]
         for _ in range(50):
             for process in processes:
-                process.send_signal(signal.SIGTERM)
+                if process.poll() is None:
+                    process.send_signal(signal.SIGTERM)
             time.sleep(0.001)
-        assert [p.wait(30) for p in processes] == [0, 0]
+        codes = [p.wait(30) for p in processes]  # TimeoutExpired: a wedged service
+        assert set(codes) <= {0, -signal.SIGTERM}, codes
 
 
 def test_services_die_with_a_crashed_launcher(tiny_model_dir, tmp_path) -> None:
