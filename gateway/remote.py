@@ -236,12 +236,12 @@ class RemoteBackend:
 
     def _fail_waiting(self, error: grpc.aio.AioRpcError) -> None:
         """The verifier is unreachable: new requests fail at once, resuming ones wait on."""
-        failure = _verifier_failure(error)
-        waiting, self._waiting = self._waiting, deque()
-        for seq in waiting:
-            if self._may_resume(seq, error.code()):
-                self._waiting.append(seq)
-            else:
+        waiting = self._waiting
+        self._waiting = deque(s for s in waiting if self._may_resume(s, error.code()))
+        failing = [s for s in waiting if s not in self._waiting]
+        if failing:  # (retries while resuming ones wait log nothing each time)
+            failure = _verifier_failure(error)
+            for seq in failing:
                 seq.deliver(failure)
         if self._waiting:
             asyncio.get_running_loop().call_later(0.5, self._admit.set)

@@ -162,7 +162,7 @@ class DrafterLink:
             seq.drafter_synced, seq.pending_step = True, None
             seq.drafter_committed = seq.num_committed
             if not seq.keep_hidden:
-                seq.hidden_history = []
+                seq.hidden_history, seq.hidden_bytes = [], 0
         return True
 
     def _failed(self, error: grpc.aio.AioRpcError, seqs: list[RemoteSeq]) -> None:

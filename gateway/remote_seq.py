@@ -40,6 +40,7 @@ class RemoteSeq:
     cancelled: bool = False
     done: bool = False
     resume_by: float | None = None  # set while waiting to be re-prefilled (monotonic deadline)
+    hidden_bytes: int = 0  # size of hidden_history (kept, not summed on every step)
 
     @property
     def seq_id(self) -> int:
@@ -88,11 +89,14 @@ class RemoteSeq:
         """Keep committed tokens' hidden rows for a drafter resync (``fresh``: they replace
         the history), at most ``max_bytes`` per sequence: past it the history is dropped and
         a drafter that loses this sequence leaves it target-only (its tokens stay exact)."""
-        history = [] if fresh else self.hidden_history
-        history.append(rows)
-        if sum(h.numel() * h.element_size() for h in history) > max_bytes:
-            history, self.keep_hidden = [], False
-        self.hidden_history = history
+        size = rows.numel() * rows.element_size()
+        if fresh:
+            self.hidden_history, self.hidden_bytes = [], 0
+        if self.hidden_bytes + size > max_bytes:
+            self.hidden_history, self.hidden_bytes, self.keep_hidden = [], 0, False
+            return
+        self.hidden_history.append(rows)
+        self.hidden_bytes += size
 
     def can_resync(self, needs_hidden: bool) -> bool:
         return not needs_hidden or self.keep_hidden

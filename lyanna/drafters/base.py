@@ -39,12 +39,12 @@ class DraftBudget:
         self,
         nodes: list[DraftNodes],
         draft_seconds: float = 0.0,
-        calibration: GainCalibration | Sequence[GainCalibration] | None = None,
+        calibrations: Sequence[GainCalibration] | None = None,  # one per tree
     ) -> list[DraftNodes]:
         """Cut a step's trees to one width: ``max_tokens``, or with a cost curve the width
         whose expected tokens per second is highest given ``draft_seconds`` already spent
-        drafting them (``VerifyCost.best_width``), the gains scaled by ``calibration`` (one,
-        or one per tree; each is told what its trees proposed). A batch holding a sampled
+        drafting them (``VerifyCost.best_width``), each tree's gains scaled by its
+        calibration (which is told what the tree proposed). A batch holding a sampled
         tree takes the first width that stops paying (``first_peak_width``): looking further
         ahead would keep a sampled node for what its own draw led to."""
         width = self.max_tokens
@@ -53,18 +53,14 @@ class DraftBudget:
         gains = [n.ranked_gains() for n in nodes]
         if any(g is None for g in gains):
             return [n.prune(width) for n in nodes]
-        calibrations = (
-            list(calibration) if isinstance(calibration, Sequence) else [calibration] * len(nodes)
-        )
-        scales = [c.scale if c is not None else 1.0 for c in calibrations]
+        scales = [1.0] * len(nodes) if calibrations is None else [c.scale for c in calibrations]
         scaled = [[s * x for x in g[:width]] for s, g in zip(scales, gains, strict=True)]  # type: ignore[index]
         if any(n.sampled for n in nodes):
             width = self.cost.first_peak_width(scaled, width, draft_seconds)
         else:
             width = self.cost.best_width(scaled, width, draft_seconds)
-        for c, g in zip(calibrations, gains, strict=True):
-            if c is not None:
-                c.proposed(sum(g[:width]))  # type: ignore[index]
+        for c, g in zip(calibrations or [], gains, strict=bool(calibrations)):
+            c.proposed(sum(g[:width]))  # type: ignore[index]
         return [n.prune(width) for n in nodes]
 
 

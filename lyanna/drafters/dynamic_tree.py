@@ -11,7 +11,8 @@ position ``num_committed_rows + depth - 1`` - and each gets its top-k children. 
 nodes are reranked by joint probability and the best ``max_tokens`` kept, or as many as pay
 for their verification when the budget has a cost curve (``DraftBudget.prune``; a child never
 outranks its parent, so the kept set is a tree). Candidates are a deterministic
-top-k set: ``DraftScheme.TOPK``. Every step is a few tensor ops over the whole batch: no
+top-k set: ``DraftScheme.TOPK``; at temperature > 0 children are drawn without replacement
+instead (``lyanna.drafters.sampled``). Every step is a few tensor ops over the whole batch: no
 Python loop runs per node, per mask row or per sequence until the nodes are read back.
 
 A subclass provides the draft KV cache, the hot vocabulary and its LM head, the rotary tables,

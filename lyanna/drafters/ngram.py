@@ -56,7 +56,8 @@ class NgramDrafter:
 
     def propose(self, seq_ids: list[int]) -> list[TokenTree]:
         nodes = [self._candidates(self._seqs[s]) for s in seq_ids]
-        return [n.to_tree() for n in self.budget.prune(nodes, calibration=self.calibration)]
+        calibrations = [self.calibration] * len(nodes)
+        return [n.to_tree() for n in self.budget.prune(nodes, calibrations=calibrations)]
 
     def _extend(self, history: _History, new_tokens: list[int]) -> None:
         tokens = history.tokens

@@ -130,17 +130,24 @@ def test_control_pruning_sampled_nodes_by_their_own_draw_is_lossy(name: str) -> 
 
 
 def test_sampled_pruning_keeps_a_prefix_of_each_sibling_draw() -> None:
+    """Whatever the width, each node keeps the first of its children in drawing order (nodes
+    are named by their token paths, unique since siblings are distinct draws)."""
     _, draft = models(1, vocab=4)
+
+    def children_by_path(nodes: DraftNodes) -> dict[tuple[int, ...], list[int]]:
+        paths, out = nodes.token_paths(), {}
+        for i in range(1, len(nodes.tokens)):
+            out.setdefault(paths[nodes.parents[i]], []).append(nodes.tokens[i])
+        return out
+
     for nodes, _ in itertools.islice(sampled_drafts(draft, K, EXPAND), 50):
+        drawn = children_by_path(nodes)
         for width in range(nodes.num_drafted + 1):
             kept = nodes.prune(width)
             assert kept.num_drafted == width
-            tree = kept.to_tree()
-            assert tree.scheme is DraftScheme.WITHOUT_REPLACEMENT
-            for node in range(tree.num_nodes):  # kept children: the first ones drawn
-                children = tree.children(node)
-                full = [c for c in range(1, len(nodes.parents)) if nodes.parents[c] == node]
-                assert len(children) <= len(full)
+            assert kept.to_tree().scheme is DraftScheme.WITHOUT_REPLACEMENT
+            for path, tokens in children_by_path(kept).items():
+                assert tokens == drawn[path][: len(tokens)], (width, path)
 
 
 def test_draws_without_replacement_follow_the_sequential_law() -> None:

@@ -194,7 +194,7 @@ def test_calibration_learns_what_predicted_gains_are_worth() -> None:
     trees = [random_nodes(rng, 12)]
     budget = DraftBudget(depth=4, top_k=2, max_tokens=8, cost=linear_curve(1.0, 0.1))
     trusted = budget.prune(trees)[0].num_drafted
-    doubted = budget.prune(trees, calibration=calibration)[0].num_drafted
+    doubted = budget.prune(trees, calibrations=[calibration])[0].num_drafted
     assert doubted < trusted
     # the kept nodes' unscaled gains are what the next verification is compared with
     assert calibration.pending == pytest.approx(sum(trees[0].ranked_gains()[:doubted]))
