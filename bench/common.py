@@ -6,7 +6,7 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,17 +15,35 @@ from lyanna.drafters import TREE_MODES, DraftBudget, default_budget, tree_budget
 SPEC_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "eval" / "spec_bench.jsonl"
 
 
+HELD_OUT = Path("heldout")  # --questions heldout: the training prompts' held-out split
+
+
+def _jsonl(path: Path) -> Iterator[dict]:
+    with path.open() as f:
+        yield from map(json.loads, f)
+
+
+def held_out_rows() -> Iterator[dict]:
+    """Held-out training prompts (``training.distill.is_held_out``: no drafter trains on
+    them) as Spec-Bench-style rows of one category, in file order."""
+    from training.distill import TRAIN_PROMPTS, is_held_out
+
+    for record in _jsonl(TRAIN_PROMPTS):
+        users = [m["content"] for m in record["messages"] if m["role"] == "user"]
+        if is_held_out(record["id"]) and users:
+            yield {"category": "heldout", "turns": users[:1]}
+
+
 def load_questions(path: Path = SPEC_BENCH, per_category: int | None = 1) -> list[dict]:
-    """The first ``per_category`` questions of each category (all when None), in file order."""
+    """The first ``per_category`` questions of each category (all when None), in file order;
+    ``HELD_OUT`` reads the held-out split of the training prompts instead."""
     counts: dict[str, int] = {}
     picked = []
-    with path.open() as f:
-        for line in f:
-            row = json.loads(line)
-            seen = counts.get(row["category"], 0)
-            if per_category is None or seen < per_category:
-                counts[row["category"]] = seen + 1
-                picked.append(row)
+    for row in held_out_rows() if path == HELD_OUT else _jsonl(path):
+        seen = counts.get(row["category"], 0)
+        if per_category is None or seen < per_category:
+            counts[row["category"]] = seen + 1
+            picked.append(row)
     return picked
 
 

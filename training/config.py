@@ -37,7 +37,10 @@ class TrainConfig:
     token_info: bool = True  # Lyanna ablation "w/o token info" when False
     fuse_first_token: bool = True  # Lyanna ablation "w/o first token" when False
     # bookkeeping
-    val_sequences: int = 64  # held-out sequences (the last ones of the data)
+    val_sequences: int = 64  # held-out sequences (the last ones of the data) without val_data
+    val_data: str = ""  # comma-separated held-out runs (e.g. training.distill --split heldout)
+    hot_vocab_tokens: str = "answers"  # count the hot vocabulary over: answers | all
+    amp: str = "none"  # none | bf16: autocast of the training forward (evaluation stays fp32)
     log_every: int = 10
     eval_every: int = 200
     ckpt_every: int = 100
@@ -54,10 +57,18 @@ class TrainConfig:
             raise ValueError("need lr > 0 and min_lr_ratio in [0, 1]")
         if self.regression_weight < 0 or self.ce_weight < 0 or self.prompt_weight < 0:
             raise ValueError("loss weights must be >= 0")
+        if self.amp not in ("none", "bf16"):
+            raise ValueError("amp must be none or bf16")
+        if self.hot_vocab_tokens not in ("answers", "all"):
+            raise ValueError("hot_vocab_tokens must be answers or all")
 
     @property
     def data_dirs(self) -> list[Path]:
         return [cache_root() / "data" / name for name in self.data.split(",") if name]
+
+    @property
+    def val_dirs(self) -> list[Path]:
+        return [cache_root() / "data" / name for name in self.val_data.split(",") if name]
 
     @property
     def work_dir(self) -> Path:

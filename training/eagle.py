@@ -99,7 +99,7 @@ class EagleTrainModel(nn.Module):
         for step, predicted in enumerate(predictions, start=1):
             valid = (positions >= step - 1)[None, :].expand(B, T)
             step_loss, step_metrics = composite_loss(
-                predicted, targets, valid, hot_head, config, prefix=f"step{step}_"
+                predicted, targets, valid, hot_head, config, f"step{step}_", self.target
             )
             total = total + step_loss
             metrics.update(step_metrics)

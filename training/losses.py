@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from lyanna.drafters.heads import full_vocab_hits
 from lyanna.model import default_model_dir, read_hf_dir
 from lyanna.model.config import ModelConfig
 from training.config import TrainConfig
@@ -84,8 +85,10 @@ def composite_loss(
     hot_head: torch.Tensor,  # [num_hot, d]
     config: TrainConfig,
     prefix: str,
+    target: FrozenTarget | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """EAGLE's regression + distribution loss of one unrolled step, with accuracy metrics."""
+    """EAGLE's regression + distribution loss of one unrolled step, with accuracy metrics
+    (the full-vocabulary top-1 too when ``target`` is given outside of training)."""
     weight = targets.weight * valid
     denom = weight.sum().clamp(min=1e-6)
     regression = F.smooth_l1_loss(predicted, targets.hidden, reduction="none").mean(-1)
@@ -105,4 +108,10 @@ def composite_loss(
             f"{prefix}top1": float((hit1 * answer).sum() / n),
             f"{prefix}top3": float((hit3 * answer).sum() / n),
         }
+        if target is not None and not torch.is_grad_enabled():
+            rows = answer.bool()
+            full = full_vocab_hits(
+                target.hot_vocab[top3[..., 0][rows]], targets.hidden[rows], target.embedding
+            )
+            metrics[f"{prefix}top1_full"] = float(full.mean()) if full.numel() else 0.0
     return loss, metrics

@@ -70,7 +70,13 @@ class SpsTrainModel(nn.Module):
         predicted = self(batch.tokens)[:, 1:]  # output at t_{i+1} ~ h_{i+1}
         valid = torch.ones_like(targets.answer)
         loss, metrics = composite_loss(
-            predicted, targets, valid, self.target.hot_head, self.train_config, prefix="step1_"
+            predicted,
+            targets,
+            valid,
+            self.target.hot_head,
+            self.train_config,
+            prefix="step1_",
+            target=self.target,
         )
         metrics["loss"] = float(loss.detach())
         return loss, metrics

@@ -34,13 +34,34 @@ from training.models import get_model_class
 STATE = "state.safetensors"
 
 
-def hot_vocabulary(sequences: list[Sequence], size: int, vocab_size: int) -> torch.Tensor:
-    """The ``size`` most frequent token ids (ties: lower id first)  # [size] int64"""
+def token_counts(sequences: list[Sequence], vocab_size: int, answers_only: bool) -> torch.Tensor:
+    """How often each token id occurs (on answer tokens only: what a drafter must propose)."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for seq in sequences:
-        counts += torch.bincount(seq.tokens, minlength=vocab_size)
+        tokens = seq.tokens[seq.loss_mask] if answers_only else seq.tokens
+        counts += torch.bincount(tokens, minlength=vocab_size)
+    return counts
+
+
+def hot_vocabulary(
+    sequences: list[Sequence], size: int, vocab_size: int, answers_only: bool = False
+) -> torch.Tensor:
+    """The ``size`` most frequent token ids (ties: lower id first)  # [size] int64"""
+    counts = token_counts(sequences, vocab_size, answers_only)
     order = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))
     return torch.tensor(order[:size], dtype=torch.int64)
+
+
+def hot_coverage(
+    train: list[Sequence], held_out: list[Sequence], vocab_size: int, sizes=(8192, 16384, 32768)
+) -> dict[str, float]:
+    """Share of held-out answer tokens inside the hot vocabulary counted on the training
+    answers, per size: the ceiling a hot-set drafter's full-vocabulary top-1 can reach."""
+    order = token_counts(train, vocab_size, answers_only=True).argsort(descending=True, stable=True)
+    rank = torch.empty(vocab_size, dtype=torch.int64)
+    rank[order] = torch.arange(vocab_size)
+    answers = torch.cat([s.tokens[s.loss_mask] for s in held_out])
+    return {str(n): round(float((rank[answers] < n).float().mean()), 4) for n in sizes}
 
 
 def plan_batches(lengths: list[int], config: TrainConfig, epoch: int) -> list[list[int]]:
@@ -129,9 +150,13 @@ def export(model, config: TrainConfig, record: dict) -> Path:
     data = {}
     for d in config.data_dirs:
         m = read_manifest(d)
-        data[d.name] = {k: m.get(k) for k in ("config", "source", "model", "totals")}
+        data[d.name] = {
+            k: m[k] for k in ("config", "source", "model", "totals", "reproduce") if k in m
+        }
     prepare_cmds = [
-        "python -m training.prepare "
+        m["reproduce"]
+        if "reproduce" in m  # training.distill runs say how they were made
+        else "python -m training.prepare "
         + " ".join(
             f"--{k.replace('_', '-')} {v}"
             for k, v in m["config"].items()
@@ -158,10 +183,17 @@ def train(config: TrainConfig) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     target_config, state = read_hf_dir(fetch_default_model())
     sequences = list(iter_sequences(config.data_dirs))
-    if len(sequences) <= config.val_sequences:
+    if config.val_dirs:
+        train_seqs, val_seqs = sequences, list(iter_sequences(config.val_dirs))
+    elif len(sequences) <= config.val_sequences:
         raise ValueError(f"only {len(sequences)} sequences in {config.data}")
-    train_seqs, val_seqs = sequences[: -config.val_sequences], sequences[-config.val_sequences :]
-    hot = hot_vocabulary(train_seqs, config.hot_vocab_size, target_config.vocab_size)
+    else:
+        cut = len(sequences) - config.val_sequences
+        train_seqs, val_seqs = sequences[:cut], sequences[cut:]
+    answers_only = config.hot_vocab_tokens == "answers"
+    hot = hot_vocabulary(train_seqs, config.hot_vocab_size, target_config.vocab_size, answers_only)
+    coverage = hot_coverage(train_seqs, val_seqs, target_config.vocab_size)
+    print(json.dumps({"hot_coverage_of_held_out_answers": coverage}), flush=True)
     target = FrozenTarget.from_embedding(state["model.embed_tokens.weight"], hot)
     del state
     model = get_model_class(config.model).build(target, target_config, config)
@@ -196,7 +228,8 @@ def train(config: TrainConfig) -> dict:
         lr = config.lr_at(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss, metrics = model.loss(batch)
+        with torch.autocast("cpu", torch.bfloat16, enabled=config.amp == "bf16"):
+            loss, metrics = model.loss(batch)
         last = {k: round(v, 4) for k, v in metrics.items()}
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -227,6 +260,8 @@ def train(config: TrainConfig) -> dict:
         "train_sequences": len(train_seqs),
         "train_tokens": sum(lengths),
         "val_sequences": len(val_seqs),
+        "val_data": config.val_data or f"last {config.val_sequences} sequences",
+        "hot_coverage_of_held_out_answers": coverage,
         "seconds_this_run": round(time.perf_counter() - started, 1),
         "train_last_batch": last,
         "val": val,

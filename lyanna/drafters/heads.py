@@ -42,3 +42,20 @@ def draft_weight_dtype(target: nn.Module) -> torch.dtype | None:
     weights (one layer and an 8k-row head: about 33 MB in fp32 per depth), so half the bytes
     is nearly half the time; drafting stays lossless whatever the drafter computes."""
     return torch.bfloat16 if runs_q4(target) else None
+
+
+FULL_VOCAB_CHUNK = 512  # rows per full-vocabulary product (bounded memory in evaluation)
+
+
+def full_vocab_hits(
+    draft_top1: torch.Tensor,  # [R] int64 token id the drafter ranks first
+    target_hidden: torch.Tensor,  # [R, d] the target's hidden state that decides the token
+    embedding: torch.Tensor,  # [vocab, d] the (tied) LM head
+) -> torch.Tensor:  # [R] float 1.0 where the drafter's first token is the target's argmax
+    """Top-1 agreement over the *full* vocabulary: a hot-set drafter whose set lacks the
+    target's token scores a miss there (the hot-vocabulary metric would not see it)."""
+    hits = [target_hidden.new_zeros(0)]
+    for start in range(0, draft_top1.shape[0], FULL_VOCAB_CHUNK):
+        best = (target_hidden[start : start + FULL_VOCAB_CHUNK] @ embedding.T).argmax(-1)
+        hits.append((draft_top1[start : start + FULL_VOCAB_CHUNK] == best).float())
+    return torch.cat(hits)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lyanna.drafters.heads import full_vocab_hits
 from lyanna.model.config import ModelConfig
 from lyanna.model.transformer import Block, RMSNorm, rope_tables
 
@@ -206,4 +207,8 @@ def draft_loss(
             metrics[f"ce{i}"] = float(ce.detach())
             metrics[f"top1_{i}"] = float((top3[:, :1] == best).float().mean())
             metrics[f"top3_{i}"] = float((top3 == best).any(-1).float().mean())
+            if not torch.is_grad_enabled():  # evaluation: agreement over the full vocabulary
+                draft_ids = model.hot_ids[top3[:, 0]]
+                full = full_vocab_hits(draft_ids, target_h[answer], model.embedding)
+                metrics[f"top1_full_{i}"] = float(full.mean()) if full.numel() else 0.0
     return total / len(outputs), metrics

@@ -1,0 +1,449 @@
+"""Self-distilled drafter data: the target answers the training prompts itself, batched, and the
+hidden states that generation computes are kept (no second forward over the same tokens).
+
+Two outputs per run, one job each:
+
+- **token-id shards, in git** (``data/distill/<run>/ids-00000.safetensors`` + ``manifest.json``):
+  ``tokens`` uint16 [N] (prompt + answer of every sequence, concatenated), ``seq_starts`` int64
+  [S + 1], ``prompt_lens`` int32 [S], ``prompt_index`` int32 [S] (line of
+  ``train_prompts.jsonl``), ``temperature`` float32 [S] (0 = greedy). A few MB for millions of
+  tokens, so nobody regenerates them.
+- **hidden-state shards, a cache** (``$LYANNA_CACHE/data/<run>/shard-00000.safetensors``, the
+  ``training.data`` format every trainer reads): written by generation; ``materialize`` rebuilds
+  missing ones from the ids by batched prefill.
+
+Generation is continuous batching over one KV cache: a finished sequence's slot takes the next
+prompt at once, so the batch stays full until the queue runs dry. Shard k holds the k-th group of
+``prompts_per_shard`` prompts of the split (file order), so a rerun skips finished shards.
+A share of prompts (``sampled_fraction``, chosen per prompt from the seed) is answered by
+sampling at a temperature drawn from ``temperature_range``, so sampling-mode drafting sees
+the target's sampled continuations too. ``heldout`` prompts (2 % of ids, by hash) never enter
+the ``train`` split.
+
+    python -m training.distill generate --run-name distill-v1 --token-budget 2000000
+    python -m training.distill materialize --run-name distill-v1
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import random
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from lyanna.model import fetch_default_model, load_model
+from lyanna.model.default import cache_root, sha256_of
+from lyanna.model.transformer import Transformer
+from lyanna.sampling import SamplingParams, greedy_or_sample
+from lyanna.tokenizer import chat_prompt_ids, load_tokenizer
+from training.data import MANIFEST, Sequence, build_shard, shard_path, write_shard
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN_PROMPTS = REPO.parent / "shared" / "data" / "train_prompts.jsonl"
+IDS_PATTERN = "ids-{:05d}.safetensors"
+SPLITS = ("train", "heldout")
+HELD_OUT_PERCENT = 2
+
+
+def is_held_out(record_id: str) -> bool:
+    """The held-out split: a fixed 2 % of prompt ids, whatever the run or its settings."""
+    digest = hashlib.sha256(record_id.encode()).digest()
+    return int.from_bytes(digest[:4], "big") % 100 < HELD_OUT_PERCENT
+
+
+@dataclass(frozen=True, slots=True)
+class DistillConfig:
+    run_name: str = "distill-v1"
+    split: str = "train"  # train | heldout
+    weights: str = "auto"  # the target the drafters will serve with (q4 / fp32 / auto)
+    device: str = "cpu"
+    max_prompt_tokens: int = 384  # longer chat-formatted prompts are skipped
+    max_answer_tokens: int = 512
+    batch_size: int = 16  # sequences decoded together (KV slots; 32 was no faster)
+    prompts_per_shard: int = 256
+    sampled_fraction: float = 0.25  # share of prompts answered by sampling
+    temperature_range: tuple[float, float] = (0.7, 1.0)
+    token_budget: int = 2_000_000  # stop after the shard that reaches this many answer tokens
+    seed: int = 20261123
+    threads: int = 2
+    ids_dir: str = ""  # default: data/distill/<run_name> in the repository
+
+    def __post_init__(self) -> None:
+        if self.split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {self.split!r}")
+        if not 0.0 <= self.sampled_fraction <= 1.0:
+            raise ValueError("sampled_fraction must be in [0, 1]")
+        low, high = self.temperature_range
+        if not 0.0 < low <= high:
+            raise ValueError("temperature_range must be 0 < low <= high")
+        for name in ("max_prompt_tokens", "max_answer_tokens", "batch_size", "prompts_per_shard"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+    @property
+    def id_dir(self) -> Path:
+        return Path(self.ids_dir) if self.ids_dir else REPO / "data" / "distill" / self.run_name
+
+    @property
+    def hidden_dir(self) -> Path:
+        return cache_root() / "data" / self.run_name
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    index: int  # line of the prompt file
+    shard: int
+    prompt_ids: list[int]
+    temperature: float  # 0 = greedy
+
+    def params(self, config: DistillConfig) -> SamplingParams:
+        seed = config.seed * 1_000_003 + self.index
+        return SamplingParams(self.temperature, max_tokens=config.max_answer_tokens, seed=seed)
+
+
+def plan_jobs(config: DistillConfig, tokenizer, path: Path = TRAIN_PROMPTS) -> Iterator[Job]:
+    """The split's eligible prompts in file order, each with its shard and temperature."""
+    low, high = config.temperature_range
+    count = 0
+    with path.open() as f:
+        for index, line in enumerate(f):
+            record = json.loads(line)
+            if is_held_out(record["id"]) != (config.split == "heldout"):
+                continue
+            ids = chat_prompt_ids(tokenizer, record["messages"])
+            if len(ids) > config.max_prompt_tokens:
+                continue
+            rng = random.Random(config.seed * 1_000_003 + index)
+            temperature = 0.0
+            if rng.random() < config.sampled_fraction:
+                temperature = round(rng.uniform(low, high), 2)
+            yield Job(index, count // config.prompts_per_shard, ids, temperature)
+            count += 1
+
+
+@dataclass(slots=True, eq=False)
+class _Live:
+    job: Job
+    params: SamplingParams
+    generator: torch.Generator | None
+    answer: list[int]
+    hidden: list[torch.Tensor]  # float16 rows, prompt first
+    closing: bool = False  # the last answer token is decided; its hidden state is still owed
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Answer:
+    job: Job
+    answer: list[int]
+    hidden: torch.Tensor  # [len(prompt) + len(answer), d] float16
+
+    def sequence(self) -> Sequence:
+        tokens = torch.tensor(self.job.prompt_ids + self.answer)
+        mask = torch.zeros(len(tokens), dtype=torch.bool)
+        mask[len(self.job.prompt_ids) :] = True
+        return Sequence(tokens, self.hidden, mask)
+
+
+def generate_answers(
+    model: Transformer, jobs: Iterator[Job], config: DistillConfig, eos_id: int
+) -> Iterator[Answer]:
+    """Continuous batching: decode every live sequence one token per step, prefill a queued
+    prompt into each freed slot. Each answer ends with end-of-turn (when the target stopped)
+    and carries the hidden state at every one of its tokens (the last token is fed once more
+    for its own hidden state, the one a drafter regresses last)."""
+    device = model.embed_tokens.weight.device
+    cache = model.new_cache(config.batch_size, config.max_prompt_tokens + config.max_answer_tokens)
+    queue, live = deque(), {}
+    jobs = iter(jobs)
+
+    def admit(job: Job) -> None:
+        slot = cache.allocate()
+        ids = torch.tensor([job.prompt_ids], device=device)
+        hidden = model(ids, torch.arange(ids.shape[1], device=device)[None], cache,
+                       torch.tensor([slot]))[0]  # fmt: skip
+        cache.commit(slot, torch.arange(ids.shape[1]))
+        params = job.params(config)
+        state = _Live(job, params, params.make_generator(), [], [hidden.half().cpu()])
+        live[slot] = state
+        decide(state, model.logits(hidden[-1:]))
+
+    def decide(state: _Live, logits: torch.Tensor) -> None:
+        token = int(greedy_or_sample(logits, state.params, state.generator))
+        state.answer.append(token)
+        state.closing = token == eos_id or len(state.answer) >= config.max_answer_tokens
+
+    while True:
+        while cache.num_free_slots and (queue or jobs is not None):
+            if not queue:
+                job = next(jobs, None)
+                if job is None:
+                    jobs = None
+                    break
+                queue.append(job)
+            admit(queue.popleft())
+        if not live:
+            return
+        slots = sorted(live)
+        slot_ids = torch.tensor(slots)
+        tokens = torch.tensor([[live[s].answer[-1]] for s in slots], device=device)
+        positions = cache.lengths[slot_ids][:, None].to(device)
+        hidden = model(tokens, positions, cache, slot_ids)[:, 0]  # [B, d]
+        open_rows = [row for row, s in enumerate(slots) if not live[s].closing]
+        logits = model.logits(hidden[open_rows]) if open_rows else None
+        rows_cpu = hidden.half().cpu()
+        for row, s in enumerate(slots):
+            cache.commit(s, [0])
+            state = live[s]
+            state.hidden.append(rows_cpu[row : row + 1])
+            if state.closing:
+                del live[s]
+                cache.release(s)
+                yield Answer(state.job, state.answer, torch.cat(state.hidden))
+            else:
+                decide(state, logits[open_rows.index(row)][None])
+
+
+def write_ids_shard(path: Path, answers: list[Answer]) -> None:
+    tokens = [a.job.prompt_ids + a.answer for a in answers]
+    lengths = torch.tensor([len(t) for t in tokens], dtype=torch.int64)
+    save_file(
+        {
+            "tokens": torch.tensor([t for seq in tokens for t in seq]).to(torch.uint16),
+            "seq_starts": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+            "prompt_lens": torch.tensor([len(a.job.prompt_ids) for a in answers]).int(),
+            "prompt_index": torch.tensor([a.job.index for a in answers]).int(),
+            "temperature": torch.tensor([a.job.temperature for a in answers]).float(),
+        },
+        path.with_suffix(".partial"),
+    )
+    path.with_suffix(".partial").rename(path)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class IdShard:
+    tokens: torch.Tensor  # [N] int64
+    seq_starts: torch.Tensor  # [S + 1] int64
+    prompt_lens: torch.Tensor  # [S] int32
+    prompt_index: torch.Tensor  # [S] int32
+    temperature: torch.Tensor  # [S] float32
+
+    def sequences(self) -> list[tuple[list[int], int]]:
+        """(tokens, prompt length) of each sequence."""
+        starts = self.seq_starts.tolist()
+        return [
+            (self.tokens[starts[s] : starts[s + 1]].tolist(), int(self.prompt_lens[s]))
+            for s in range(len(starts) - 1)
+        ]
+
+
+def read_ids_shard(path: Path) -> IdShard:
+    t = load_file(path)
+    return IdShard(
+        t["tokens"].long(), t["seq_starts"], t["prompt_lens"], t["prompt_index"], t["temperature"]
+    )
+
+
+@dataclass(slots=True)
+class Manifest:
+    """Both directories' manifest.json: settings, target, per-shard counts and checksums."""
+
+    path: Path
+    data: dict = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, path: Path, config: DistillConfig, model_dir: Path, prompts: Path) -> Manifest:
+        data = json.loads(path.read_text()) if path.is_file() else {}
+        settings = {k: v for k, v in dataclasses.asdict(config).items() if k != "ids_dir"}
+        settings = json.loads(json.dumps(settings))  # as stored: tuples become lists
+        old = data.get("config")
+        fixed = ("split", "weights", "max_prompt_tokens", "max_answer_tokens", "prompts_per_shard",
+                 "sampled_fraction", "temperature_range", "seed")  # fmt: skip
+        if old and any(old.get(k) != settings[k] and k in old for k in fixed):
+            raise ValueError(f"{path.parent} was generated with other settings; use a new run")
+        data["config"] = settings
+        data["source"] = {"prompts": prompts.name, "sha256": sha256_of(prompts)}
+        data["model"] = json.loads((model_dir / "lyanna-source.json").read_text())
+        data["reproduce"] = "python -m training.distill generate " + " ".join(
+            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list | tuple) else v}"
+            for k, v in settings.items()
+        )
+        data.setdefault("shards", {})
+        return cls(path, data)
+
+    def add(self, name: str, summary: dict) -> None:
+        self.data["shards"][name] = summary
+        shards = self.data["shards"].values()
+        keys = ("num_sequences", "num_tokens", "num_answer_tokens", "num_sampled", "seconds")
+        self.data["totals"] = {k: round(sum(s.get(k, 0) for s in shards), 1) for k in keys}
+        self.data["totals"]["num_shards"] = len(self.data["shards"])
+        self.save()
+
+    def save(self) -> None:
+        self.path.write_text(json.dumps(self.data, indent=2) + "\n")
+
+    @property
+    def answer_tokens(self) -> int:
+        return sum(s["num_answer_tokens"] for s in self.data["shards"].values())
+
+
+def fast_attention(model: Transformer) -> None:
+    """float32 attention: serving keeps float64 attention so that a token's hidden state does
+    not depend on what shares its forward; training data does not need that, and float32
+    attention doubles generation throughput at batch 16 (measured, docs/benchmarks.md)."""
+    model.attention_dtype = None
+
+
+def generate(config: DistillConfig, prompts: Path = TRAIN_PROMPTS) -> dict:
+    """Generate the split's shards until the answer-token budget is met (resumable)."""
+    torch.set_num_threads(config.threads)
+    model_dir = fetch_default_model()
+    tokenizer = load_tokenizer(model_dir)
+    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for d in (config.id_dir, config.hidden_dir):
+        d.mkdir(parents=True, exist_ok=True)
+    ids_manifest = Manifest.open(config.id_dir / MANIFEST, config, model_dir, prompts)
+    hidden_manifest = Manifest.open(config.hidden_dir / MANIFEST, config, model_dir, prompts)
+    done = {int(n[4:9]) for n in ids_manifest.data["shards"]}
+    budget_shards = None  # the shard index at which the budget is met, once known
+    if ids_manifest.answer_tokens >= config.token_budget:
+        return ids_manifest.data
+    model = load_model(model_dir, weights=config.weights, device=config.device)
+    fast_attention(model)
+
+    plan = list(plan_jobs(config, tokenizer, prompts))
+    expected: dict[int, int] = {}  # shard -> number of its prompts
+    for job in plan:
+        expected[job.shard] = expected.get(job.shard, 0) + 1
+
+    def todo() -> Iterator[Job]:
+        for job in plan:
+            if budget_shards is not None and job.shard >= budget_shards:
+                return
+            if job.shard not in done:
+                yield job
+
+    bar = tqdm(total=config.token_budget, initial=ids_manifest.answer_tokens, unit="tok")
+    pending: dict[int, list[Answer]] = {}
+    started = time.perf_counter()
+    for answer in generate_answers(model, todo(), config, eos_id):
+        shard = answer.job.shard
+        pending.setdefault(shard, []).append(answer)
+        bar.update(len(answer.answer))
+        if len(pending[shard]) < expected[shard]:
+            continue
+        answers = sorted(pending.pop(shard), key=lambda a: a.job.index)
+        name = IDS_PATTERN.format(shard)
+        write_ids_shard(config.id_dir / name, answers)
+        hidden = build_shard([a.sequence() for a in answers])
+        write_shard(shard_path(config.hidden_dir, shard), hidden)
+        summary = {
+            "num_sequences": len(answers),
+            "num_tokens": hidden.num_tokens,
+            "num_answer_tokens": int(hidden.loss_mask.sum()),
+            "num_sampled": sum(a.job.temperature > 0 for a in answers),
+            "first_index": answers[0].job.index,
+            "last_index": answers[-1].job.index,
+            "seconds": round(time.perf_counter() - started, 1),
+        }
+        started = time.perf_counter()
+        ids_manifest.add(name, summary | {"sha256": sha256_of(config.id_dir / name)})
+        hidden_manifest.add(shard_path(config.hidden_dir, shard).name, summary)
+        done.add(shard)
+        if ids_manifest.answer_tokens >= config.token_budget and budget_shards is None:
+            budget_shards = max(done) + 1  # finish the shards already started, start no more
+    bar.close()
+    return ids_manifest.data
+
+
+def materialize(config: DistillConfig, batch: int = 8) -> int:
+    """Rebuild missing hidden-state shards from the committed ids (batched prefill, progress
+    bar); returns how many were built."""
+    torch.set_num_threads(config.threads)
+    model_dir = fetch_default_model()
+    ids_manifest = json.loads((config.id_dir / MANIFEST).read_text())
+    config.hidden_dir.mkdir(parents=True, exist_ok=True)
+    missing = [
+        n for n in sorted(ids_manifest["shards"])
+        if not shard_path(config.hidden_dir, int(n[4:9])).is_file()
+    ]  # fmt: skip
+    if not missing:
+        return 0
+    model = load_model(model_dir, weights=ids_manifest["config"]["weights"], device=config.device)
+    fast_attention(model)
+    total = sum(ids_manifest["shards"][n]["num_tokens"] for n in missing)
+    bar = tqdm(total=total, unit="tok", desc="hidden states")
+    for name in missing:
+        path = config.id_dir / name
+        if sha256_of(path) != ids_manifest["shards"][name]["sha256"]:
+            raise ValueError(f"{path} does not match its manifest checksum")
+        seqs = read_ids_shard(path).sequences()
+        hidden = prefill_hidden(model, [tokens for tokens, _ in seqs], batch)
+        out = []
+        for (tokens, prompt_len), h in zip(seqs, hidden, strict=True):
+            mask = torch.zeros(len(tokens), dtype=torch.bool)
+            mask[prompt_len:] = True
+            out.append(Sequence(torch.tensor(tokens), h, mask))
+            bar.update(len(tokens))
+        write_shard(shard_path(config.hidden_dir, int(name[4:9])), build_shard(out))
+    bar.close()
+    manifest = dict(ids_manifest, rebuilt_by="prefill")
+    (config.hidden_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return len(missing)
+
+
+@torch.inference_mode()
+def prefill_hidden(model: Transformer, sequences: list[list[int]], batch: int) -> list:
+    """Final hidden states of each sequence, ``batch`` similar lengths per padded forward."""
+    device = model.embed_tokens.weight.device
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    out: list[torch.Tensor | None] = [None] * len(sequences)
+    for start in range(0, len(order), batch):
+        group = order[start : start + batch]
+        width = max(len(sequences[i]) for i in group)
+        ids = torch.zeros(len(group), width, dtype=torch.int64)
+        for row, i in enumerate(group):
+            ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
+        cache = model.new_cache(len(group), width)
+        slots = torch.tensor([cache.allocate() for _ in group])
+        positions = torch.arange(width)[None].expand(len(group), width)
+        hidden = model(ids.to(device), positions.to(device), cache, slots).half().cpu()
+        for row, i in enumerate(group):
+            out[i] = hidden[row, : len(sequences[i])]
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[str, DistillConfig]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=("generate", "materialize"))
+    for f in dataclasses.fields(DistillConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(f.default, tuple):
+            parser.add_argument(flag, type=float, nargs=2, default=f.default)
+        else:
+            parser.add_argument(flag, type=type(f.default), default=f.default)
+    args = vars(parser.parse_args(argv))
+    command = args.pop("command")
+    args["temperature_range"] = tuple(args["temperature_range"])
+    return command, DistillConfig(**args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    command, config = parse_args(argv)
+    if command == "generate":
+        print(json.dumps(generate(config).get("totals", {})))
+    else:
+        print(f"built {materialize(config)} hidden-state shards")
+
+
+if __name__ == "__main__":
+    main()
