@@ -40,6 +40,7 @@ class TrainConfig:
     val_sequences: int = 64  # held-out sequences (the last ones of the data) without val_data
     val_data: str = ""  # comma-separated held-out runs (e.g. training.distill --split heldout)
     hot_vocab_tokens: str = "answers"  # count the hot vocabulary over: answers | all
+    init_from: str = ""  # an exported checkpoint directory to start from (its hot vocabulary)
     amp: str = "none"  # none | bf16: autocast of the training forward (evaluation stays fp32)
     log_every: int = 10
     eval_every: int = 200

@@ -114,5 +114,10 @@ class EagleTrainModel(nn.Module):
             for name, t in self.head.state_dict().items()
         }
 
+    def load_export(self, state: dict[str, torch.Tensor]) -> None:
+        """Start from an exported checkpoint (the inverse of ``export``)."""
+        self.head.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                   for k, v in state.items()})  # fmt: skip
+
     def config_dict(self) -> dict:
         return {"kind": "eagle", **self.head.config.as_dict()}

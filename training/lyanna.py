@@ -71,5 +71,10 @@ class LyannaTrainModel(nn.Module):
             k: (v.half() if v.is_floating_point() else v).contiguous() for k, v in state.items()
         }
 
+    def load_export(self, state: dict[str, torch.Tensor]) -> None:
+        """Start from an exported checkpoint (the inverse of ``export``)."""
+        self.draft.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                    for k, v in state.items()})  # fmt: skip
+
     def config_dict(self) -> dict:
         return self.draft.config.to_dict()

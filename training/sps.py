@@ -89,5 +89,13 @@ class SpsTrainModel(nn.Module):
         state["hot_vocab"] = self.target.hot_vocab.clone()
         return state
 
+    def load_export(self, state: dict[str, torch.Tensor]) -> None:
+        """Start from an exported checkpoint (the inverse of ``export``)."""
+        layers = {
+            k[len("layers.") :]: v.float() for k, v in state.items() if k.startswith("layers.")
+        }
+        self.layers.load_state_dict(layers)
+        self.norm.weight.data.copy_(state["norm.weight"].float())
+
     def config_dict(self) -> dict:
         return SpsConfig(len(self.layers), self.target.hot_vocab.numel()).as_dict()

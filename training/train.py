@@ -191,7 +191,12 @@ def train(config: TrainConfig) -> dict:
         cut = len(sequences) - config.val_sequences
         train_seqs, val_seqs = sequences[:cut], sequences[cut:]
     answers_only = config.hot_vocab_tokens == "answers"
-    hot = hot_vocabulary(train_seqs, config.hot_vocab_size, target_config.vocab_size, answers_only)
+    init = load_file(Path(config.init_from) / "model.safetensors") if config.init_from else None
+    if init is not None:  # the checkpoint's rows stay aligned with its own hot vocabulary
+        hot = init["hot_vocab"] if "hot_vocab" in init else init["hot_ids"]
+    else:
+        hot = hot_vocabulary(train_seqs, config.hot_vocab_size, target_config.vocab_size,
+                             answers_only)  # fmt: skip
     coverage = hot_coverage(train_seqs, val_seqs, target_config.vocab_size)
     print(json.dumps({"hot_coverage_of_held_out_answers": coverage}), flush=True)
     target = FrozenTarget.from_embedding(state["model.embed_tokens.weight"], hot)
@@ -202,6 +207,8 @@ def train(config: TrainConfig) -> dict:
         params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
     )
     step = load_state(work / STATE, model, optimizer) if (work / STATE).is_file() else 0
+    if step == 0 and init is not None:
+        model.load_export(init)
     lengths = [min(s.tokens.shape[0], config.max_seq_len) for s in train_seqs]
     val_lengths = [min(s.tokens.shape[0], config.max_seq_len) for s in val_seqs]
     val_batches = [

@@ -72,3 +72,16 @@ def test_q4_speculation_equals_q4_greedy(method, q4_model, prompts, default_toke
     stats = engine.run()
     assert [s.output_ids for s in seqs] == [s.output_ids for s in plain]
     assert stats.num_accepted > 0
+
+
+def test_q4_greedy_does_not_depend_on_the_batch(q4_model, prompts, default_tokenizer) -> None:
+    """Alone, a decode step runs the CPU flash kernel; beside others, grouped attention
+    (``grouped_attention``): both in float64, so a sequence decodes the same either way."""
+    eos = frozenset({default_tokenizer.eos_token_id})
+    params = SamplingParams(max_tokens=40)
+    together = [Sequence(i, p, params, eos) for i, p in enumerate(prompts)]
+    generate(q4_model, together)
+    for i, p in enumerate(prompts):
+        alone = Sequence(i, p, params, eos)
+        generate(q4_model, [alone])
+        assert alone.output_ids == together[i].output_ids

@@ -170,3 +170,32 @@ def test_a_few_training_steps_beat_an_untrained_drafter_on_unseen_sequences() ->
     assert after["step1_reg"] < 0.5 * before["step1_reg"]
     # measured 0.02 -> 0.56: the tiny target's greedy next token, on sequences never trained on
     assert after["step1_top1_full"] > before["step1_top1_full"] + 0.3
+
+
+@pytest.mark.parametrize("kind", ["eagle", "lyanna", "sps"])
+def test_a_drafter_started_from_its_export_scores_the_same(kind: str) -> None:
+    from training.models import get_model_class
+
+    model = make_tiny_model(5, vocab_size=32)
+    sequences = _model_sequences(model, 6, seed=3)
+    config = TrainConfig(model=kind, hot_vocab_size=24, unroll_steps=2, batch_tokens=1024,
+                         max_seq_len=32, student_layers=1)  # fmt: skip
+    hot = hot_vocabulary(sequences, config.hot_vocab_size, model.config.vocab_size, True)
+    target = FrozenTarget.from_embedding(model.embed_tokens.weight, hot)
+    batch = collate(sequences, config)
+    torch.manual_seed(0)
+    trained = get_model_class(kind).build(target, model.config, config)
+    optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-2)
+    for _ in range(3):
+        loss, _ = trained.loss(batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    exported = trained.export()
+    torch.manual_seed(1)  # a differently initialised model, then the checkpoint
+    fresh = get_model_class(kind).build(target, model.config, config)
+    with torch.no_grad():
+        assert float(fresh.loss(batch)[0]) != pytest.approx(float(trained.loss(batch)[0]))
+        fresh.load_export(exported)
+        # fp16 export: equal up to half precision
+        assert float(fresh.loss(batch)[0]) == pytest.approx(float(trained.loss(batch)[0]), rel=1e-2)
