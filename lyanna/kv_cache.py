@@ -79,8 +79,8 @@ class KVCache:
     ) -> None:
         """Store the new tokens' keys and values (speculative until committed)."""
         index = (slots[:, None], slice(None), rows)
-        self.keys[layer][index] = keys.transpose(1, 2)
-        self.values[layer][index] = values.transpose(1, 2)
+        self.keys[layer][index] = keys.transpose(1, 2).to(self.keys.dtype)
+        self.values[layer][index] = values.transpose(1, 2).to(self.values.dtype)
 
     def read(
         self, layer: int, slots: torch.Tensor, kv_len: int

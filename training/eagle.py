@@ -99,7 +99,13 @@ class EagleTrainModel(nn.Module):
         for step, predicted in enumerate(predictions, start=1):
             valid = (positions >= step - 1)[None, :].expand(B, T)
             step_loss, step_metrics = composite_loss(
-                predicted, targets, valid, hot_head, config, f"step{step}_", self.target
+                predicted,
+                targets,
+                valid,
+                hot_head,
+                config,
+                f"step{step}_",
+                None if self.training else self.target,  # full-vocabulary top-1: evaluation
             )
             total = total + step_loss
             metrics.update(step_metrics)

@@ -76,7 +76,7 @@ class SpsTrainModel(nn.Module):
             self.target.hot_head,
             self.train_config,
             prefix="step1_",
-            target=self.target,
+            target=None if self.training else self.target,  # full vocabulary: evaluation
         )
         metrics["loss"] = float(loss.detach())
         return loss, metrics

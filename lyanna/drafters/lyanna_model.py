@@ -207,7 +207,7 @@ def draft_loss(
             metrics[f"ce{i}"] = float(ce.detach())
             metrics[f"top1_{i}"] = float((top3[:, :1] == best).float().mean())
             metrics[f"top3_{i}"] = float((top3 == best).any(-1).float().mean())
-            if not torch.is_grad_enabled():  # evaluation: agreement over the full vocabulary
+            if not model.training:  # evaluation: agreement over the full vocabulary
                 draft_ids = model.hot_ids[top3[:, 0]]
                 full = full_vocab_hits(draft_ids, target_h[answer], model.embedding)
                 metrics[f"top1_full_{i}"] = float(full.mean()) if full.numel() else 0.0

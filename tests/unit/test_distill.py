@@ -155,8 +155,10 @@ def test_a_few_training_steps_beat_an_untrained_drafter_on_unseen_sequences() ->
     torch.manual_seed(0)
     trainer = EagleTrainModel.build(target, model.config, config)
     held_batch = collate(held_out, config)
+    trainer.eval()  # evaluation mode: the full-vocabulary metric too
     with torch.no_grad():
         before = trainer.loss(held_batch)[1]
+    trainer.train()
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=config.lr)
     batches = [collate(train[i : i + 8], config) for i in range(0, len(train), 8)]
     for step in range(60):
@@ -164,6 +166,7 @@ def test_a_few_training_steps_beat_an_untrained_drafter_on_unseen_sequences() ->
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+    trainer.eval()
     with torch.no_grad():
         after = trainer.loss(held_batch)[1]
     assert after["loss"] < before["loss"]

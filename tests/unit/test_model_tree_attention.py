@@ -95,7 +95,12 @@ def test_commit_accepted_path_continues_like_sequential(seed: int) -> None:
     assert (model.logits(hidden[0]) - expected).abs().max().item() < 1e-4
 
 
-def test_batched_forward_of_different_lengths_equals_single(tiny_model: Transformer) -> None:
+@pytest.mark.parametrize("attention_dtype", [None, torch.float64])
+def test_batched_forward_of_different_lengths_equals_single(attention_dtype) -> None:
+    """float64 attention (the q4 setting) runs batches through ``grouped_attention`` and a
+    single sequence through the flash kernel: the two must agree too."""
+    tiny_model = make_tiny_model(0)
+    tiny_model.attention_dtype = attention_dtype
     rng = random.Random(7)
     vocab = tiny_model.config.vocab_size
     prefixes = [[rng.randrange(vocab) for _ in range(n)] for n in (3, 11, 7)]
@@ -118,6 +123,26 @@ def test_batched_forward_of_different_lengths_equals_single(tiny_model: Transfor
             one.tokens, one.positions, single_cache, torch.tensor([single_slot]), one.mask
         )
         assert (batched[b] - tiny_model.logits(h[0])).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_grouped_attention_equals_the_flash_kernel(masked: bool) -> None:
+    from lyanna.model.transformer import grouped_attention
+
+    gen = torch.Generator().manual_seed(3)
+    B, heads, kv_heads, q, kv, hd = 3, 6, 2, 5, 17, 8
+    xq = torch.randn(B, heads, q, hd, generator=gen, dtype=torch.float64)
+    keys = torch.randn(B, kv_heads, kv, hd, generator=gen, dtype=torch.float64)
+    values = torch.randn(B, kv_heads, kv, hd, generator=gen, dtype=torch.float64)
+    mask = None
+    if masked:
+        mask = torch.rand(B, 1, q, kv, generator=gen) < 0.6
+        mask[..., 0] = True  # every query sees at least one key
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        xq, keys, values, attn_mask=mask, enable_gqa=True
+    )
+    torch.testing.assert_close(grouped_attention(xq, keys, values, mask), expected,
+                               rtol=1e-12, atol=1e-12)  # fmt: skip
 
 
 def test_forward_past_capacity_is_refused(tiny_model: Transformer) -> None:
