@@ -26,11 +26,12 @@ class DecodeStats:
 
 
 def prefill(
-    model: Transformer, sequence: Sequence, cache, slot: int
+    model: Transformer, prompt_ids: list[int], cache, slot: int
 ) -> torch.Tensor:  # [prompt_len, hidden]
     """Fill the slot with the prompt and commit it; returns the prompt's hidden states."""
-    ids = torch.tensor([sequence.prompt_ids], dtype=torch.int64)
-    positions = torch.arange(ids.shape[1])[None]
+    device = model.embed_tokens.weight.device
+    ids = torch.tensor([prompt_ids], dtype=torch.int64, device=device)
+    positions = torch.arange(ids.shape[1], device=device)[None]
     hidden = model(ids, positions, cache, torch.tensor([slot]))[0]
     cache.commit(slot, torch.arange(ids.shape[1]))
     return hidden
@@ -48,7 +49,7 @@ def generate(
     start = time.perf_counter()
     pending: list[int] = []  # last decided token of each sequence, not yet in the cache
     for seq, slot in zip(sequences, slots, strict=True):
-        hidden = prefill(model, seq, cache, slot)
+        hidden = prefill(model, seq.prompt_ids, cache, slot)
         token = greedy_or_sample(model.logits(hidden[-1:]), seq.params, seq.generator)
         pending.append(int(token))
         seq.append([pending[-1]])

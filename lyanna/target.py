@@ -10,14 +10,13 @@ both drive this one class, so the oracle and the service verify with the same co
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from lyanna.decode import prefill as prefill_prompt
 from lyanna.model.transformer import Transformer
 from lyanna.sampling import SamplingParams, greedy_or_sample, logits_to_probs
-from lyanna.sequence import Sequence
 from lyanna.tree import TokenTree, pack_trees
 from lyanna.verify import AcceptanceRule, Verdict, choose_rule, sampling_rule
 
@@ -114,9 +113,7 @@ class TargetRunner:
             generator = params.make_generator()
         slot = self.cache.allocate()
         try:
-            # a shell for the prompt only: stop strings are the caller's (no detokenizer here)
-            shell = Sequence(seq_id, prompt_ids, replace(params, stop=()), generator=generator)
-            hidden = prefill_prompt(self.model, shell, self.cache, slot)  # [P, hidden]
+            hidden = prefill_prompt(self.model, prompt_ids, self.cache, slot)  # [P, hidden]
         except Exception:
             self.cache.release(slot)
             raise

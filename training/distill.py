@@ -32,7 +32,6 @@ import hashlib
 import json
 import random
 import time
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,16 +40,24 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from lyanna.decode import prefill
 from lyanna.model import fetch_default_model, load_model
 from lyanna.model.default import cache_root, sha256_of
 from lyanna.model.transformer import Transformer
 from lyanna.sampling import SamplingParams, greedy_or_sample
-from lyanna.tokenizer import chat_prompt_ids, load_tokenizer
+from lyanna.tokenizer import load_tokenizer
 from training.data import MANIFEST, Sequence, build_shard, shard_path, write_shard
+from training.prepare import TRAIN_PROMPTS, chat_prompts, prompt_seed
 
 REPO = Path(__file__).resolve().parents[1]
-TRAIN_PROMPTS = REPO.parent / "shared" / "data" / "train_prompts.jsonl"
 IDS_PATTERN = "ids-{:05d}.safetensors"
+
+
+def shard_index(name: str) -> int:
+    """``ids-00012.safetensors`` -> 12."""
+    return int(name.split("-")[1].split(".")[0])
+
+
 SPLITS = ("train", "heldout")
 HELD_OUT_PERCENT = 2
 
@@ -107,28 +114,21 @@ class Job:
     temperature: float  # 0 = greedy
 
     def params(self, config: DistillConfig) -> SamplingParams:
-        seed = config.seed * 1_000_003 + self.index
+        seed = prompt_seed(config.seed, self.index)
         return SamplingParams(self.temperature, max_tokens=config.max_answer_tokens, seed=seed)
 
 
 def plan_jobs(config: DistillConfig, tokenizer, path: Path = TRAIN_PROMPTS) -> Iterator[Job]:
     """The split's eligible prompts in file order, each with its shard and temperature."""
     low, high = config.temperature_range
-    count = 0
-    with path.open() as f:
-        for index, line in enumerate(f):
-            record = json.loads(line)
-            if is_held_out(record["id"]) != (config.split == "heldout"):
-                continue
-            ids = chat_prompt_ids(tokenizer, record["messages"])
-            if len(ids) > config.max_prompt_tokens:
-                continue
-            rng = random.Random(config.seed * 1_000_003 + index)
-            temperature = 0.0
-            if rng.random() < config.sampled_fraction:
-                temperature = round(rng.uniform(low, high), 2)
-            yield Job(index, count // config.prompts_per_shard, ids, temperature)
-            count += 1
+    in_split = lambda record: is_held_out(record["id"]) == (config.split == "heldout")  # noqa: E731
+    prompts = chat_prompts(path, tokenizer, config.max_prompt_tokens, in_split)
+    for count, (index, _, ids) in enumerate(prompts):
+        rng = random.Random(prompt_seed(config.seed, index))
+        temperature = 0.0
+        if rng.random() < config.sampled_fraction:
+            temperature = round(rng.uniform(low, high), 2)
+        yield Job(index, count // config.prompts_per_shard, ids, temperature)
 
 
 @dataclass(slots=True, eq=False)
@@ -163,15 +163,12 @@ def generate_answers(
     for its own hidden state, the one a drafter regresses last)."""
     device = model.embed_tokens.weight.device
     cache = model.new_cache(config.batch_size, config.max_prompt_tokens + config.max_answer_tokens)
-    queue, live = deque(), {}
+    live: dict[int, _Live] = {}  # KV slot -> sequence
     jobs = iter(jobs)
 
     def admit(job: Job) -> None:
         slot = cache.allocate()
-        ids = torch.tensor([job.prompt_ids], device=device)
-        hidden = model(ids, torch.arange(ids.shape[1], device=device)[None], cache,
-                       torch.tensor([slot]))[0]  # fmt: skip
-        cache.commit(slot, torch.arange(ids.shape[1]))
+        hidden = prefill(model, job.prompt_ids, cache, slot)
         params = job.params(config)
         state = _Live(job, params, params.make_generator(), [], [hidden.half().cpu()])
         live[slot] = state
@@ -183,14 +180,8 @@ def generate_answers(
         state.closing = token == eos_id or len(state.answer) >= config.max_answer_tokens
 
     while True:
-        while cache.num_free_slots and (queue or jobs is not None):
-            if not queue:
-                job = next(jobs, None)
-                if job is None:
-                    jobs = None
-                    break
-                queue.append(job)
-            admit(queue.popleft())
+        while cache.num_free_slots and (job := next(jobs, None)) is not None:
+            admit(job)
         if not live:
             return
         slots = sorted(live)
@@ -199,7 +190,7 @@ def generate_answers(
         positions = cache.lengths[slot_ids][:, None].to(device)
         hidden = model(tokens, positions, cache, slot_ids)[:, 0]  # [B, d]
         open_rows = [row for row, s in enumerate(slots) if not live[s].closing]
-        logits = model.logits(hidden[open_rows]) if open_rows else None
+        logits = iter(model.logits(hidden[open_rows]) if open_rows else [])  # open rows, in order
         rows_cpu = hidden.half().cpu()
         for row, s in enumerate(slots):
             cache.commit(s, [0])
@@ -210,7 +201,7 @@ def generate_answers(
                 cache.release(s)
                 yield Answer(state.job, state.answer, torch.cat(state.hidden))
             else:
-                decide(state, logits[open_rows.index(row)][None])
+                decide(state, next(logits)[None])
 
 
 def write_ids_shard(path: Path, answers: list[Answer]) -> None:
@@ -313,7 +304,7 @@ def generate(config: DistillConfig, prompts: Path = TRAIN_PROMPTS) -> dict:
         d.mkdir(parents=True, exist_ok=True)
     ids_manifest = Manifest.open(config.id_dir / MANIFEST, config, model_dir, prompts)
     hidden_manifest = Manifest.open(config.hidden_dir / MANIFEST, config, model_dir, prompts)
-    done = {int(n[4:9]) for n in ids_manifest.data["shards"]}
+    done = {shard_index(n) for n in ids_manifest.data["shards"]}
     budget_shards = None  # the shard index at which the budget is met, once known
     if ids_manifest.answer_tokens >= config.token_budget:
         return ids_manifest.data
@@ -374,7 +365,7 @@ def materialize(config: DistillConfig, batch: int = 8) -> int:
     config.hidden_dir.mkdir(parents=True, exist_ok=True)
     missing = [
         n for n in sorted(ids_manifest["shards"])
-        if not shard_path(config.hidden_dir, int(n[4:9])).is_file()
+        if not shard_path(config.hidden_dir, shard_index(n)).is_file()
     ]  # fmt: skip
     if not missing:
         return 0
@@ -394,7 +385,7 @@ def materialize(config: DistillConfig, batch: int = 8) -> int:
             mask[prompt_len:] = True
             out.append(Sequence(torch.tensor(tokens), h, mask))
             bar.update(len(tokens))
-        write_shard(shard_path(config.hidden_dir, int(name[4:9])), build_shard(out))
+        write_shard(shard_path(config.hidden_dir, shard_index(name)), build_shard(out))
     bar.close()
     manifest = dict(ids_manifest, rebuilt_by="prefill")
     (config.hidden_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")

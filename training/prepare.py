@@ -80,32 +80,46 @@ class Prompt:
     self_answer: bool
 
 
+def prompt_seed(seed: int, index: int) -> int:
+    """The seed of everything random about the prompt on line ``index`` of a run."""
+    return seed * 1_000_003 + index
+
+
+def chat_prompts(
+    path: Path, tokenizer, max_prompt_tokens: int, keep=lambda record: True
+) -> Iterator[tuple[int, dict, list[int]]]:
+    """(line, record, chat-formatted prompt ids) of the records ``keep`` accepts, in file
+    order; prompts longer than ``max_prompt_tokens`` are skipped."""
+    with path.open() as f:
+        for index, line in enumerate(f):
+            record = json.loads(line)
+            if not keep(record):
+                continue
+            ids = chat_prompt_ids(tokenizer, record["messages"])
+            if len(ids) <= max_prompt_tokens:
+                yield index, record, ids
+
+
 def eligible_prompts(
     config: PrepareConfig, tokenizer, path: Path = TRAIN_PROMPTS
 ) -> Iterator[Prompt]:
     """Chat-formatted training prompts in file order, too-long ones skipped."""
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    count = 0
-    with path.open() as f:
-        for index, line in enumerate(f):
-            record = json.loads(line)
-            ids = chat_prompt_ids(tokenizer, record["messages"])
-            if len(ids) > config.max_prompt_tokens:
-                continue
-            reference = record.get("reference")
-            reference_ids = None
-            if reference:
-                reference_ids = tokenizer.encode(reference, add_special_tokens=False)
-                reference_ids = reference_ids[: config.max_answer_tokens - 1] + [eos]
-            use_self = config.answers == "self" or reference_ids is None
-            if config.answers == "mix" and reference_ids is not None:
-                use_self = random.Random(config.seed * 1_000_003 + index).random() < (
-                    config.self_fraction
-                )
-            yield Prompt(record["id"], ids, reference_ids, use_self)
-            count += 1
-            if config.max_prompts and count >= config.max_prompts:
-                return
+    prompts = chat_prompts(path, tokenizer, config.max_prompt_tokens)
+    for count, (index, record, ids) in enumerate(prompts, start=1):
+        reference = record.get("reference")
+        reference_ids = None
+        if reference:
+            reference_ids = tokenizer.encode(reference, add_special_tokens=False)
+            reference_ids = reference_ids[: config.max_answer_tokens - 1] + [eos]
+        use_self = config.answers == "self" or reference_ids is None
+        if config.answers == "mix" and reference_ids is not None:
+            use_self = random.Random(prompt_seed(config.seed, index)).random() < (
+                config.self_fraction
+            )
+        yield Prompt(record["id"], ids, reference_ids, use_self)
+        if config.max_prompts and count >= config.max_prompts:
+            return
 
 
 def self_answers(

@@ -47,9 +47,11 @@ def hot_vocabulary(
     sequences: list[Sequence], size: int, vocab_size: int, answers_only: bool = False
 ) -> torch.Tensor:
     """The ``size`` most frequent token ids (ties: lower id first)  # [size] int64"""
-    counts = token_counts(sequences, vocab_size, answers_only)
-    order = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))
-    return torch.tensor(order[:size], dtype=torch.int64)
+    return frequency_order(token_counts(sequences, vocab_size, answers_only))[:size]
+
+
+def frequency_order(counts: torch.Tensor) -> torch.Tensor:  # [vocab] int64, most frequent first
+    return counts.argsort(descending=True, stable=True)  # stable: ties keep the lower id first
 
 
 def hot_coverage(
@@ -57,7 +59,7 @@ def hot_coverage(
 ) -> dict[str, float]:
     """Share of held-out answer tokens inside the hot vocabulary counted on the training
     answers, per size: the ceiling a hot-set drafter's full-vocabulary top-1 can reach."""
-    order = token_counts(train, vocab_size, answers_only=True).argsort(descending=True, stable=True)
+    order = frequency_order(token_counts(train, vocab_size, answers_only=True))
     rank = torch.empty(vocab_size, dtype=torch.int64)
     rank[order] = torch.arange(vocab_size)
     answers = torch.cat([s.tokens[s.loss_mask] for s in held_out])
