@@ -12,10 +12,12 @@ from pathlib import Path
 
 import yaml
 
+from deploy.grafana import dashboard as grafana_dashboard
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from services.config import ServerConfig, parse_configs
 from services.drafter.server import DrafterConfig
+from services.metrics import DrafterMetrics, VerifierMetrics
 from services.verifier.server import VerifierConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -80,11 +82,17 @@ def test_configmap_is_valid_for_every_process() -> None:
     assert "services" in gateway_pod["spec"]["containers"][0]["command"]
 
 
-def test_dashboard_queries_use_registered_metrics() -> None:
-    dashboard = json.loads((DEPLOY / "grafana" / "lyanna.json").read_text())
-    registered = {
+def registered_samples() -> set[str]:
+    """Every sample name the gateway, verifier and drafter registries export."""
+    registries = [
+        GatewayMetrics("m", "s").registry,
+        VerifierMetrics(1).registry,
+        DrafterMetrics().registry,
+    ]
+    return {
         sample
-        for family in GatewayMetrics("m", "s").registry.collect()
+        for registry in registries
+        for family in registry.collect()
         for sample in (
             family.name,
             f"{family.name}_total",
@@ -93,11 +101,47 @@ def test_dashboard_queries_use_registered_metrics() -> None:
             f"{family.name}_sum",
         )
     }
+
+
+def test_dashboard_is_generated_and_current() -> None:
+    committed = (DEPLOY / "grafana" / "lyanna.json").read_text()
+    assert committed == grafana_dashboard.render(), "run: python -m deploy.grafana.dashboard"
+
+
+def test_dashboard_queries_use_registered_metrics() -> None:
+    dashboard = json.loads((DEPLOY / "grafana" / "lyanna.json").read_text())
+    registered = registered_samples()
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
-    assert len(exprs) >= 10
+    assert len(exprs) >= 20
     for expr in exprs:
-        names = set(re.findall(r"\blyanna_[a-z_]+", expr))
+        names = set(re.findall(r"\blyanna_[a-z0-9_]+", expr))
         assert names and names <= registered, expr
+    used = {n for expr in exprs for n in re.findall(r"\blyanna_[a-z]+_[a-z0-9_]+", expr)}
+    # the verifier's and drafter's own metrics have panels too
+    assert any(n.startswith("lyanna_verifier_") for n in used)
+    assert any(n.startswith("lyanna_drafter_") for n in used)
     titles = " ".join(panel["title"] for panel in dashboard["panels"])
-    for needed in ("Acceptance length", "tokens/s", "first token", "per output token"):
-        assert needed in titles
+    for needed in (
+        "Acceptance length",
+        "Acceptance length distribution",
+        "Conditional acceptance per depth",
+        "Re-sampled share",
+        "Tokens/s",
+        "Time to first token",
+        "Inter-token latency",
+        "End-to-end latency",
+        "KV slots",
+        "fallback",
+    ):
+        assert needed in titles, needed
+    kinds = {panel["type"] for panel in dashboard["panels"]}
+    assert {"stat", "timeseries", "heatmap"} <= kinds
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    assert {"datasource", "model", "method"} <= variables
+
+
+def test_acceptance_panels_leave_out_target_only_and_fallback_steps() -> None:
+    dashboard = json.loads((DEPLOY / "grafana" / "lyanna.json").read_text())
+    panel = next(p for p in dashboard["panels"] if p["title"] == "Acceptance length")
+    expr = panel["targets"][0]["expr"]
+    assert 'method!="ar"' in expr and "lyanna_spec_drafter_fallback_total" in expr

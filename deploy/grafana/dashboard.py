@@ -1,0 +1,333 @@
+"""Generate the Grafana dashboard ``deploy/grafana/lyanna.json`` from the metric registries.
+
+    python -m deploy.grafana.dashboard      # rewrite lyanna.json
+
+Every query names metrics of the three processes' registries (``gateway.metrics``,
+``services.metrics``); ``tests/gateway/test_deploy.py`` fails when the committed JSON differs
+from what this script writes or names a metric no registry exports. Gateway series carry the
+``model`` / ``method`` / ``service`` labels (dashboard variables); the verifier's and drafter's
+carry only what Prometheus adds (``job``, ``instance``).
+
+Acceptance panels leave out target-only decoding (method ``ar``) and steps the drafter missed
+(fallbacks): they measure the drafter, and a drafter outage shows on its own panel instead of
+dragging the acceptance length down.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+OUTPUT = Path(__file__).resolve().parent / "lyanna.json"
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+GATEWAY = 'model=~"$model", method=~"$method", service=~"$service"'
+SPECULATIVE = GATEWAY + ', method!="ar"'
+RATE = "[$__rate_interval]"
+DEPTHS = 6  # conditional acceptance plotted for depths 1..DEPTHS
+QUANTILES = (0.5, 0.95, 0.99)
+
+
+def rate(metric: str, labels: str = GATEWAY, by: str = "") -> str:
+    grouping = f"sum by ({by}) " if by else "sum "
+    return f"{grouping}(rate({metric}{{{labels}}}{RATE}))"
+
+
+def quantile(q: float, metric: str, labels: str = GATEWAY, by: str = "") -> str:
+    groups = "le" + (f", {by}" if by else "")
+    return f"histogram_quantile({q}, {rate(metric + '_bucket', labels, groups)})"
+
+
+def drafted_steps(by: str = "") -> str:
+    """Verifications that had a draft: every step minus the drafter's fallbacks (a method
+    with no fallback series yet counts none)."""
+    steps = rate("lyanna_spec_draft_steps_total", SPECULATIVE, by)
+    fallbacks = rate("lyanna_spec_drafter_fallback_total", SPECULATIVE, by)
+    return f"({steps} - ({fallbacks} or {steps} * 0))"
+
+
+def acceptance_length(by: str = "") -> str:
+    """1 + accepted / verifications that had a draft."""
+    return f"1 + {rate('lyanna_spec_accepted_tokens_total', SPECULATIVE, by)} / {drafted_steps(by)}"
+
+
+def accepted_at(position: int) -> str:
+    labels = f'{SPECULATIVE}, position="{position}"'
+    return rate("lyanna_spec_accepted_tokens_per_position_total", labels)
+
+
+@dataclass
+class Panel:
+    kind: str  # stat | timeseries | heatmap
+    title: str
+    targets: list[tuple[str, str]]  # (expr, legend)
+    unit: str = "none"
+    description: str = ""
+    width: int = 8
+    height: int = 8
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self, panel_id: int, x: int, y: int) -> dict:
+        panel = {
+            "type": self.kind,
+            "title": self.title,
+            "datasource": DATASOURCE,
+            "gridPos": {"x": x, "y": y, "w": self.width, "h": self.height},
+            "fieldConfig": {"defaults": {"unit": self.unit}, "overrides": []},
+            "targets": [
+                {"refId": chr(ord("A") + i), "expr": expr, "legendFormat": legend}
+                for i, (expr, legend) in enumerate(self.targets)
+            ],
+            "id": panel_id,
+        }
+        if self.description:
+            panel["description"] = self.description
+        if self.kind == "timeseries":
+            panel["options"] = {"legend": {"displayMode": "list", "placement": "bottom"}}
+        panel.update(self.extra)
+        return panel
+
+
+def latency_panel(title: str, metric: str, by: str = "method", labels: str = GATEWAY) -> Panel:
+    targets = [
+        (quantile(q, metric, labels, by), f"p{round(q * 100)}" + (f" {{{{{by}}}}}" if by else ""))
+        for q in QUANTILES
+    ]
+    return Panel("timeseries", title, targets, unit="s")
+
+
+def panels() -> list[Panel]:
+    conditional = [(f"{accepted_at(0)} / {drafted_steps()}", "depth 1")] + [
+        (f"{accepted_at(p)} / {accepted_at(p - 1)}", f"depth {p + 1}") for p in range(1, DEPTHS)
+    ]
+    return [
+        # -- acceptance (the paper's tau and Table 1, live) --
+        Panel(
+            "stat",
+            "Acceptance length",
+            [(acceptance_length(), "")],
+            description="Tokens per verification with a draft: 1 + accepted / drafted steps.",
+            width=6,
+            height=4,
+            extra={"options": {"reduceOptions": {"calcs": ["lastNotNull"]}}},
+        ),
+        Panel(
+            "stat",
+            "Output tokens/s",
+            [(rate("lyanna_generation_tokens_total"), "")],
+            width=6,
+            height=4,
+        ),
+        Panel(
+            "stat",
+            "Drafter fallback share",
+            [(f"1 - {drafted_steps()} / {rate('lyanna_spec_draft_steps_total', SPECULATIVE)}", "")],
+            unit="percentunit",
+            description="Verifications without a draft (drafter down or late).",
+            width=6,
+            height=4,
+        ),
+        Panel(
+            "stat",
+            "Requests running",
+            [("sum (lyanna_num_requests_running{" + GATEWAY + "})", "")],
+            width=6,
+            height=4,
+        ),
+        Panel(
+            "timeseries",
+            "Acceptance length per method",
+            [(acceptance_length("method"), "{{method}}")],
+            description="1.0 = every draft rejected; fallback steps excluded.",
+            width=12,
+        ),
+        Panel(
+            "heatmap",
+            "Acceptance length distribution",
+            [
+                (
+                    "sum by (le) (increase(lyanna_spec_acceptance_length_bucket{"
+                    + SPECULATIVE
+                    + "}"
+                    + RATE
+                    + "))",
+                    "{{le}}",
+                )
+            ],
+            description="Tokens emitted per verification (histogram buckets).",
+            width=12,
+            extra={
+                "options": {"calculate": False, "yAxis": {"unit": "none"}},
+                "targets_format": "heatmap",
+            },
+        ),
+        Panel(
+            "timeseries",
+            "Acceptance rate (accepted / drafted tokens)",
+            [
+                (
+                    f"{rate('lyanna_spec_accepted_tokens_total', SPECULATIVE, 'method')}"
+                    f" / {rate('lyanna_spec_draft_tokens_total', SPECULATIVE, 'method')}",
+                    "{{method}}",
+                )
+            ],
+            unit="percentunit",
+        ),
+        Panel(
+            "timeseries",
+            "Conditional acceptance per depth",
+            conditional,
+            unit="percentunit",
+            description="Accepted at depth d / accepted at depth d - 1 (the paper's Table 1).",
+        ),
+        Panel(
+            "timeseries",
+            "Re-sampled share of output tokens",
+            [
+                (
+                    f"{rate('lyanna_spec_resampled_accepted_tokens_total', SPECULATIVE, 'method')}"
+                    f" / {rate('lyanna_generation_tokens_total', SPECULATIVE, 'method')}",
+                    "{{method}}",
+                )
+            ],
+            unit="percentunit",
+            description="Accepted tokens that only a re-sampled (fused) subtree proposed.",
+        ),
+        # -- throughput and latency --
+        Panel(
+            "timeseries",
+            "Tokens/s",
+            [
+                (rate("lyanna_generation_tokens_total", by="method"), "output {{method}}"),
+                (rate("lyanna_prompt_tokens_total", by="method"), "prompt {{method}}"),
+            ],
+        ),
+        latency_panel("Time to first token", "lyanna_request_time_to_first_token_seconds"),
+        latency_panel("Inter-token latency", "lyanna_request_inter_token_latency_seconds"),
+        latency_panel("Time per output token", "lyanna_request_time_per_output_token_seconds"),
+        latency_panel("End-to-end latency", "lyanna_request_e2e_latency_seconds"),
+        Panel(
+            "timeseries",
+            "Requests running / waiting",
+            [
+                ("sum by (method) (lyanna_num_requests_running{" + GATEWAY + "})", "running"),
+                ("sum by (method) (lyanna_num_requests_waiting{" + GATEWAY + "})", "waiting"),
+            ],
+        ),
+        # -- the pipeline: drafter and verifier --
+        Panel(
+            "timeseries",
+            "Draft vs verify latency per step (p50)",
+            [
+                (quantile(0.5, "lyanna_spec_draft_latency_seconds", by="method"), "draft"),
+                (quantile(0.5, "lyanna_spec_verify_latency_seconds", by="method"), "verify"),
+            ],
+            unit="s",
+        ),
+        latency_panel("Verifier forward", "lyanna_verifier_forward_seconds", "op", labels=""),
+        latency_panel("Drafter Propose", "lyanna_drafter_draft_seconds", by="", labels=""),
+        Panel(
+            "timeseries",
+            "Verifier KV slots",
+            [("sum by (state) (lyanna_verifier_kv_slots)", "{{state}}")],
+        ),
+        Panel(
+            "timeseries",
+            "Draft tokens per verified tree (p50 / p99)",
+            [
+                (quantile(0.5, "lyanna_verifier_tree_tokens", ""), "p50"),
+                (quantile(0.99, "lyanna_verifier_tree_tokens", ""), "p99"),
+            ],
+        ),
+        # -- failures --
+        Panel(
+            "timeseries",
+            "Finished requests by reason",
+            [(rate("lyanna_request_success_total", by="finish_reason"), "{{finish_reason}}")],
+            unit="reqps",
+        ),
+        Panel(
+            "timeseries",
+            "Drafter fallbacks and resyncs",
+            [
+                (rate("lyanna_spec_drafter_fallback_total", by="method"), "fallback steps"),
+                ("sum (rate(lyanna_drafter_starts_total" + RATE + "))", "drafter starts"),
+            ],
+            unit="ops",
+        ),
+    ]
+
+
+def layout(items: list[Panel]) -> list[dict]:
+    """Left to right, wrapping at Grafana's 24 columns."""
+    out, x, y, row_height = [], 0, 0, 0
+    for panel_id, panel in enumerate(items, start=1):
+        if x + panel.width > 24:
+            x, y, row_height = 0, y + row_height, 0
+        doc = panel.to_json(panel_id, x, y)
+        if doc.pop("targets_format", None):
+            for target in doc["targets"]:
+                target["format"] = "heatmap"
+        out.append(doc)
+        x += panel.width
+        row_height = max(row_height, panel.height)
+    return out
+
+
+def variable(name: str) -> dict:
+    query = f"label_values(lyanna_spec_draft_steps_total, {name})"
+    return {
+        "name": name,
+        "label": name,
+        "type": "query",
+        "datasource": DATASOURCE,
+        "query": {"query": query, "refId": name},
+        "definition": query,
+        "includeAll": True,
+        "multi": True,
+        "allValue": ".*",
+        "current": {"text": "All", "value": "$__all"},
+        "refresh": 2,
+    }
+
+
+def dashboard() -> dict:
+    return {
+        "title": "Lyanna speculative serving",
+        "uid": "lyanna-serving",
+        "description": "Generated by deploy/grafana/dashboard.py from the metric registries "
+        "of the gateway, verifier and drafter (docs/metrics.md).",
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": True,
+        "refresh": "10s",
+        "time": {"from": "now-1h", "to": "now"},
+        "tags": ["lyanna", "llm", "speculative-decoding"],
+        "templating": {
+            "list": [
+                {
+                    "name": "datasource",
+                    "label": "Prometheus",
+                    "type": "datasource",
+                    "query": "prometheus",
+                },
+                variable("model"),
+                variable("method"),
+                variable("service"),
+            ]
+        },
+        "panels": layout(panels()),
+    }
+
+
+def render() -> str:
+    return json.dumps(dashboard(), indent=2) + "\n"
+
+
+def main() -> None:
+    OUTPUT.write_text(render())
+    print(f"wrote {OUTPUT}")
+
+
+if __name__ == "__main__":
+    main()
