@@ -15,13 +15,14 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from gateway.auth import KeyRing, StreamLimiter
+from gateway.auth import KeyRing, StreamLimiter, TokenRateLimiter
 from gateway.backend import GenerationBackend, TokenDelta
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, error_response, install_error_handlers, invalid
@@ -40,6 +41,7 @@ from gateway.schemas import (
 from gateway.text import TextStream, make_detokenize
 
 SSE_DONE = "data: [DONE]\n\n"
+API_KEY_STATE = "lyanna_api_key"  # the matched key, in the request's scope state
 
 
 def sse(payload: dict) -> str:
@@ -48,12 +50,14 @@ def sse(payload: dict) -> str:
 
 class Guard:
     """ASGI middleware: API keys on ``/v1/`` routes (and ``/metrics`` when configured), each
-    key's requests in flight bounded, and a bound on request body bytes."""
+    key's requests in flight and tokens per minute bounded, and a bound on request body
+    bytes."""
 
-    def __init__(self, app, config: GatewayConfig) -> None:
+    def __init__(self, app, config: GatewayConfig, tokens: TokenRateLimiter) -> None:
         self.app, self.config = app, config
         self._keys = KeyRing(config.api_keys, config.api_keys_file)
         self._streams = StreamLimiter(config.max_streams_per_key)
+        self._tokens = tokens  # charged by the routes when a request finishes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -76,6 +80,19 @@ class Guard:
                 await response(scope, receive, send)
                 return
         if key is not None and path.startswith("/v1/"):
+            wait = self._tokens.retry_after(key)
+            if wait:
+                limit = self._tokens.limit
+                response = error_response(
+                    429,
+                    f"this API key used its {limit} tokens per minute; retry in {wait} s",
+                    None,
+                    "rate_limit_exceeded",
+                    headers={"Retry-After": str(wait)},
+                )
+                await response(scope, receive, send)
+                return
+            scope.setdefault("state", {})[API_KEY_STATE] = key  # the routes charge it
             if not self._streams.acquire(key):
                 limit = self._streams.limit
                 response = error_response(
@@ -137,7 +154,8 @@ def create_app(
         await backend.stop()
 
     app = FastAPI(title="Lyanna", version="0.1.0", lifespan=lifespan)
-    app.add_middleware(Guard, config=config)
+    tokens = TokenRateLimiter(config.max_tokens_per_minute_per_key)
+    app.add_middleware(Guard, config=config, tokens=tokens)
     install_error_handlers(app)
     app.state.metrics, app.state.backend = metrics, backend
 
@@ -157,7 +175,9 @@ def create_app(
             tracker.finish("error")
             raise
         stop = prepared.request.params.stop
-        return Generation(deltas, first, TextStream(detokenize, stop), tracker)
+        key = request.scope.get("state", {}).get(API_KEY_STATE)
+        charge = None if key is None else partial(tokens.charge, key)
+        return Generation(deltas, first, TextStream(detokenize, stop), tracker, charge)
 
     def headers(prepared: Prepared, generation: Generation | None = None) -> dict[str, str]:
         out = {"X-Lyanna-Method": prepared.method, "X-Request-Id": prepared.request.request_id}

@@ -4,16 +4,19 @@ Keys come from the configuration (``LYANNA_API_KEYS``) and, optionally, a file w
 per line (``#`` comments; ``--api-keys-file`` / ``LYANNA_API_KEYS_FILE``). The file is read
 again when it changes (checked at most once a second), so keys rotate without a restart; an
 unreadable or emptied file keeps the keys last read rather than opening the door. Keys are
-compared in constant time. ``max_streams_per_key`` bounds each key's requests in flight: one
-more gets a 429 with ``Retry-After``.
+compared in constant time. ``max_streams_per_key`` bounds each key's requests in flight, and
+``max_tokens_per_minute_per_key`` the tokens (prompt + output) each key used in the last 60 s:
+past either, a request gets a 429 with ``Retry-After``.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import math
 import os
 import time
+from collections import deque
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -108,3 +111,51 @@ class StreamLimiter:
             self._active[key] = count
         else:
             self._active.pop(key, None)
+
+
+class TokenRateLimiter:
+    """Tokens (prompt + output) per key over a sliding minute; ``limit`` 0 = unbounded.
+
+    A finished request charges what it used; a key whose last minute already holds ``limit``
+    tokens is refused until enough of them age out (``retry_after``). The check comes before
+    the request runs and the charge after, so one request may overshoot the limit by its own
+    size (as OpenAI's limits do for a request that fits the remaining budget)."""
+
+    WINDOW = 60.0
+
+    def __init__(self, limit: int, clock=time.monotonic) -> None:
+        self.limit = limit
+        self._clock = clock
+        self._charges: dict[bytes, deque[tuple[float, int]]] = {}
+        self._used: dict[bytes, int] = {}
+
+    def retry_after(self, key: bytes) -> int:
+        """0 when ``key`` may start a request now, else whole seconds until it may."""
+        if not self.limit:
+            return 0
+        now = self._clock()
+        self._expire(key, now)
+        charges, used = self._charges.get(key), self._used.get(key, 0)
+        if used < self.limit or not charges:
+            return 0
+        for when, tokens in charges:  # oldest first: wait until the excess has aged out
+            used -= tokens
+            if used < self.limit:
+                return max(1, math.ceil(when + self.WINDOW - now))
+        return math.ceil(self.WINDOW)
+
+    def charge(self, key: bytes, tokens: int) -> None:
+        if not self.limit or tokens <= 0:
+            return
+        now = self._clock()
+        self._expire(key, now)
+        self._charges.setdefault(key, deque()).append((now, tokens))
+        self._used[key] = self._used.get(key, 0) + tokens
+
+    def _expire(self, key: bytes, now: float) -> None:
+        charges = self._charges.get(key)
+        while charges and charges[0][0] <= now - self.WINDOW:
+            self._used[key] -= charges.popleft()[1]
+        if charges is not None and not charges:
+            del self._charges[key]
+            self._used.pop(key, None)

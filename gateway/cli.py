@@ -117,6 +117,12 @@ def _add_serve(sub) -> None:
         help="requests in flight per API key, then 429 (env LYANNA_MAX_STREAMS_PER_KEY; 0: none)",
     )
     serve.add_argument(
+        "--max-tokens-per-minute-per-key",
+        type=int,
+        help="prompt + output tokens per API key per minute, then 429 "
+        "(env LYANNA_MAX_TOKENS_PER_MINUTE_PER_KEY; 0: none)",
+    )
+    serve.add_argument(
         "--queue-timeout",
         type=float,
         default=float(os.environ.get("LYANNA_QUEUE_TIMEOUT", "60")),

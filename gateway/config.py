@@ -23,6 +23,7 @@ class GatewayConfig:
     api_keys_file: str = ""  # one key per line, reloaded when it changes (gateway.auth)
     metrics_need_key: bool = False  # also require a key on GET /metrics
     max_streams_per_key: int = 0  # requests in flight per key (then 429); 0 = unbounded
+    max_tokens_per_minute_per_key: int = 0  # prompt + output tokens per key per minute
     max_body_bytes: int = 1 << 20
     max_messages: int = 128
     max_prompt_tokens: int = 4096  # also bounded by the backend's context
@@ -49,8 +50,8 @@ class GatewayConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.max_streams_per_key < 0:
-            raise ValueError("max_streams_per_key must be >= 0")
+        if self.max_streams_per_key < 0 or self.max_tokens_per_minute_per_key < 0:
+            raise ValueError("per-key limits must be >= 0")
         if self.metrics_need_key and not (self.api_keys or self.api_keys_file):
             raise ValueError("metrics_need_key needs API keys")
         if not 0 <= self.max_stop_strings <= MAX_STOP_STRINGS:

@@ -6,7 +6,7 @@ non-streaming request) aborts the sequence in the backend."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import anyio
@@ -31,10 +31,12 @@ class Generation:
         first: TokenDelta,
         text: TextStream,
         tracker: RequestTracker,
+        on_finish: Callable[[int], None] | None = None,
     ) -> None:
         self._deltas, self._first = deltas, first
         self.text, self.tracker = text, tracker
         self.finish_reason: str | None = None
+        self._on_finish = on_finish  # called once with the tokens used (prompt + output)
 
     async def texts(self) -> AsyncIterator[str]:
         """Text deltas until the request finishes; ``finish_reason`` is set at the end."""
@@ -55,14 +57,20 @@ class Generation:
         finally:
             with anyio.CancelScope(shield=True):
                 await self._deltas.aclose()
-            self.tracker.finish(self.finish_reason or "abort")
+            self._finish()
 
     async def close(self) -> None:
         """Release the request if ``texts`` never ran to its end (a stream cancelled before
         its first chunk); idempotent."""
         with anyio.CancelScope(shield=True):
             await self._deltas.aclose()
+        self._finish()
+
+    def _finish(self) -> None:
         self.tracker.finish(self.finish_reason or "abort")
+        if self._on_finish is not None:
+            on_finish, self._on_finish = self._on_finish, None
+            on_finish(self.tracker.num_prompt_tokens + self.tracker.num_output_tokens)
 
     async def collect(self) -> str:
         return "".join([piece async for piece in self.texts()])

@@ -61,6 +61,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "mode": args.mode,
         "api_keys_file": args.api_keys_file,
         "max_streams_per_key": args.max_streams_per_key,
+        "max_tokens_per_minute_per_key": args.max_tokens_per_minute_per_key,
     }
     if args.model:
         overrides["model_name"] = Path(args.model).stem

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from gateway.app import create_app
+from gateway.auth import TokenRateLimiter
 from gateway.backend import BackendBusy, BackendUnavailable, GenerationRequest, TokenDelta
 from gateway.config import GatewayConfig
 from gateway.server import ThreadedServer
@@ -279,5 +280,46 @@ def test_each_key_has_a_bounded_number_of_requests_in_flight(default_tokenizer) 
             backend.release.set()
             again = client.post(CHAT, json=chat_body(model=MODEL_NAME), headers=k1)
             assert again.status_code == 200  # the finished stream gave its place back
+    finally:
+        server.stop()
+
+
+def test_token_rate_limiter_ages_charges_out_over_a_minute() -> None:
+    now = [100.0]
+    limiter = TokenRateLimiter(50, clock=lambda: now[0])
+    assert limiter.retry_after(b"k") == 0
+    limiter.charge(b"k", 30)
+    now[0] += 10
+    limiter.charge(b"k", 30)  # 60 >= 50: over, until the first charge ages out
+    assert limiter.retry_after(b"other") == 0  # per key
+    assert limiter.retry_after(b"k") == 50  # the first charge leaves at t = 160
+    now[0] = 159.5
+    assert limiter.retry_after(b"k") == 1
+    now[0] = 160.0
+    assert limiter.retry_after(b"k") == 0  # 30 left in the window
+    now[0] = 170.0
+    assert limiter.retry_after(b"k") == 0 and limiter._used == {}  # nothing kept
+    assert TokenRateLimiter(0).retry_after(b"k") == 0  # 0 = unbounded
+
+
+def test_each_key_has_a_bounded_number_of_tokens_per_minute(default_tokenizer) -> None:
+    config = GatewayConfig(
+        model_name=MODEL_NAME, api_keys=("k1", "k2"), max_tokens_per_minute_per_key=3
+    )
+    backend = HoldingBackend()
+    backend.release.set()
+    server = ThreadedServer(create_app(backend, default_tokenizer, config)).start()
+    k1, k2 = ({"Authorization": f"Bearer {k}"} for k in ("k1", "k2"))
+    try:
+        with httpx.Client(base_url=server.url, timeout=10) as client:
+            first = client.post(CHAT, json=chat_body(), headers=k1)
+            assert first.status_code == 200  # under the limit when it started
+            used = first.json()["usage"]["total_tokens"]
+            assert used > 3  # the prompt alone is more than 3 tokens: k1 is over now
+            refused = client.post(CHAT, json=chat_body(stream=True), headers=k1)
+            assert assert_error(refused, 429)["code"] == "rate_limit_exceeded"
+            assert 1 <= int(refused.headers["Retry-After"]) <= 60
+            assert client.post(CHAT, json=chat_body(), headers=k2).status_code == 200
+            assert client.get("/v1/models", headers=k1).status_code == 429  # every /v1 route
     finally:
         server.stop()
