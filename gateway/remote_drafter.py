@@ -63,6 +63,7 @@ class DrafterLink:
 
     async def propose(self, batch: list[RemoteSeq]) -> dict[int, drafter_pb2.Proposal]:
         """One tree per drafted sequence of the batch; {} when the step must run target-only."""
+        await self._drain(batch)
         drafted = [s for s in batch if s.use_drafter]
         if not drafted or not self.available:
             return {}
@@ -106,10 +107,11 @@ class DrafterLink:
 
     def learn(self, seq: RemoteSeq, result: verifier_pb2.VerifyResult) -> None:
         """Queue a verification for the drafter's next Propose of this sequence."""
-        if not (seq.use_drafter and seq.drafter_synced):
-            return
-        if seq.pending_step is not None:  # it missed a step (fallback): start it again
-            seq.desync()
+        if not (seq.use_drafter and seq.drafter_synced) or seq.pending_step is not None:
+            if seq.pending_step is not None:  # it missed a step (fallback): start it again
+                seq.desync()
+            if result.hidden.HasField("plane"):  # rows nobody will ask for: drain them
+                seq.dropped_refs.append(_copy(result.hidden.plane))
             return
         seq.pending_step = drafter_pb2.VerifiedStep(
             committed=result.committed,
@@ -125,16 +127,30 @@ class DrafterLink:
     ) -> common_pb2.ReleaseRequest | None:
         """Release the leaving sequences and drain data-plane transfers only they would have
         consumed (so the verifier's sends complete)."""
-        live = {ref.transfer_id for s in staying if (ref := _plane_ref(s)) is not None}
-        orphans = {
-            ref.transfer_id: ref
-            for s in leaving
-            if (ref := _plane_ref(s)) is not None and ref.transfer_id not in live
-        }
+        orphans = _orphans(
+            [ref for s in leaving for ref in (*_take_dropped(s), _plane_ref(s)) if ref], staying
+        )
         seq_ids = [s.seq_id for s in leaving if s.drafter_started]
         if not seq_ids and not orphans:
             return None
         return common_pb2.ReleaseRequest(seq_ids=seq_ids, discard=list(orphans.values()))
+
+    async def _drain(self, batch: list[RemoteSeq]) -> None:
+        """Have the drafter receive (and drop) the data-plane transfers that desynced
+        sequences of the batch left unread and no sequence still in step will read, so the
+        verifier's sends complete (best effort; the drafter skips transfers it already
+        received, and one without a data plane has nothing to drain)."""
+        if not self.available or not any(s.dropped_refs for s in batch):
+            return  # (kept until the drafter is back)
+        dropped = [ref for s in batch for ref in _take_dropped(s)]
+        orphans = _orphans(dropped, batch)
+        if not orphans:
+            return
+        request = common_pb2.ReleaseRequest(discard=list(orphans.values()))
+        try:
+            await self.stub.Release(request, timeout=self.control_deadline)
+        except grpc.aio.AioRpcError as error:
+            logger.warning("draining %d data-plane transfers failed: %s", len(orphans), error)
 
     async def _start(self, seqs: list[RemoteSeq]) -> bool:
         """(Re)start the drafter for ``seqs`` from their full history; False if it failed."""
@@ -189,3 +205,22 @@ def _plane_ref(seq: RemoteSeq) -> common_pb2.PlaneRef | None:
     if step is None or step.hidden.WhichOneof("payload") != "plane":
         return None
     return step.hidden.plane
+
+
+def _take_dropped(seq: RemoteSeq) -> list[common_pb2.PlaneRef]:
+    dropped, seq.dropped_refs = seq.dropped_refs, []
+    return dropped
+
+
+def _orphans(
+    refs: list[common_pb2.PlaneRef], readers: list[RemoteSeq]
+) -> dict[int, common_pb2.PlaneRef]:
+    """The transfers of ``refs`` that no pending step of ``readers`` will read."""
+    live = {ref.transfer_id for s in readers if (ref := _plane_ref(s)) is not None}
+    return {ref.transfer_id: ref for ref in refs if ref.transfer_id not in live}
+
+
+def _copy(ref: common_pb2.PlaneRef) -> common_pb2.PlaneRef:
+    out = common_pb2.PlaneRef()
+    out.CopyFrom(ref)
+    return out

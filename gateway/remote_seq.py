@@ -41,6 +41,9 @@ class RemoteSeq:
     done: bool = False
     resume_by: float | None = None  # set while waiting to be re-prefilled (monotonic deadline)
     hidden_bytes: int = 0  # size of hidden_history (kept, not summed on every step)
+    # data-plane transfers a desync dropped unread: the drafter must still receive them, or
+    # the verifier's sends never complete (DrafterLink drains them)
+    dropped_refs: list[common_pb2.PlaneRef] = field(default_factory=list)
 
     @property
     def seq_id(self) -> int:
@@ -62,6 +65,10 @@ class RemoteSeq:
     def desync(self) -> None:
         """The drafter's state for this sequence is unknown: start it again before drafting."""
         self.drafter_synced = False
+        if self.pending_step is not None and self.pending_step.hidden.HasField("plane"):
+            ref = common_pb2.PlaneRef()
+            ref.CopyFrom(self.pending_step.hidden.plane)
+            self.dropped_refs.append(ref)
         self.pending_step = None
 
     def prefill_item(self, return_hidden: bool) -> verifier_pb2.PrefillItem:

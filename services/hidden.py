@@ -102,8 +102,14 @@ class HiddenReceiver:
         return rows
 
     def discard(self, ref: common_pb2.PlaneRef) -> None:
-        """Receive a transfer nobody will read (its sequences finished) and drop it."""
-        if self.plane is not None and self.plane.ready:
+        """Receive a transfer nobody will read (its sequences finished or lost step) and drop
+        it; one already received needs nothing."""
+        received = (
+            ref.transfer_id in self._done
+            or ref.transfer_id in self._received
+            or ref.transfer_id <= self._newest - PLANE_WINDOW
+        )
+        if self.plane is not None and self.plane.ready and not received:
             self._from_plane(ref)
 
     def end_batch(self) -> None:

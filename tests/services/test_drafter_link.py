@@ -30,12 +30,14 @@ class ScriptedStub:
 
     def __init__(self) -> None:
         self.calls: list[str] = []
+        self.requests: list = []
         self.errors: dict[str, list[AioRpcError]] = {}
         self.root: int | None = None  # force this root (a misbehaving drafter)
         self.roots: dict[int, int] = {}  # seq id -> next token as the drafter knows it
 
     async def _call(self, name: str, request):
         self.calls.append(name)
+        self.requests.append(request)
         if self.errors.get(name):
             raise self.errors[name].pop(0)
         if name == "Start":
@@ -68,9 +70,17 @@ def make_seq(needs_hidden: bool = True) -> RemoteSeq:
     return seq
 
 
-def verified(seq: RemoteSeq, link: DrafterLink, tokens: list[int]) -> None:
+def verified(
+    seq: RemoteSeq, link: DrafterLink, tokens: list[int], transfer: int | None = None
+) -> None:
+    """The verifier's result; ``transfer``: its hidden row went over the data plane."""
     result = verifier_pb2.VerifyResult(committed=[seq.next_token], tokens=tokens, num_accepted=0)
-    result.hidden.tensor.dtype = "float32"
+    if transfer is None:
+        result.hidden.tensor.dtype = "float32"
+    else:
+        result.hidden.plane.CopyFrom(
+            common_pb2.PlaneRef(transfer_id=transfer, row_offset=0, num_rows=1, total_rows=2)
+        )
     seq.history += list(result.committed)
     seq.hidden_history.append(torch.zeros(1, 4))
     seq.next_token = tokens[-1]
@@ -138,3 +148,39 @@ def test_refused_sequences_stay_target_only(link_and_stub) -> None:
     stub.errors["Start"] = [rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED)]
     assert asyncio.run(link.propose([seq])) == {} and not seq.use_drafter
     assert asyncio.run(link.propose([seq])) == {} and stub.calls == ["Start"]
+
+
+def test_a_desynced_sequence_s_unread_transfer_is_drained() -> None:
+    """Defect: a sequence that missed a step (fallback) was desynced with its step's hidden
+    rows still waiting on the data plane, and the verifier's send was never received. Now
+    the next call drains such transfers, unless a sequence still in step will read them."""
+    stub = ScriptedStub()
+    config = RemoteConfig("unused:1", "unused:2", draft_deadline=1.0, use_data_plane=True)
+    link = DrafterLink(stub, config)
+    a, b = make_seq(), make_seq()
+    b.sequence = Sequence(2, [1, 2], SamplingParams())
+    asyncio.run(link.propose([a, b]))
+    verified(a, link, [9], transfer=5)
+    verified(b, link, [9], transfer=5)  # one send for the micro-batch
+    # a target-only step (no Propose read transfer 5), then the next verification
+    verified(a, link, [8], transfer=6)
+    verified(b, link, [8], transfer=6)
+    assert not a.drafter_synced and not b.drafter_synced
+    stub.calls.clear(), stub.requests.clear()
+    assert 1 in asyncio.run(link.propose([a, b]))
+    assert stub.calls[:1] == ["Release"]
+    assert sorted(r.transfer_id for r in stub.requests[0].discard) == [5, 6]  # once each
+    assert not a.dropped_refs and not b.dropped_refs
+
+    # a transfer a sequence still in step will read is left to it
+    verified(a, link, [7], transfer=7)
+    verified(b, link, [7], transfer=7)
+    b.desync()
+    stub.calls.clear(), stub.requests.clear()
+    asyncio.run(link.propose([a, b]))
+    assert all(not r.discard for r in stub.requests if hasattr(r, "discard"))
+    # and a finished sequence's dropped transfer goes out with its release
+    verified(a, link, [6], transfer=8)
+    a.desync()
+    request = link.release_request([a], [b])
+    assert [r.transfer_id for r in request.discard] == [8]

@@ -168,3 +168,17 @@ def test_stale_or_forged_plane_references_are_refused_before_receiving() -> None
             receiver.decode(ref(stale_or_forged), 2)
     receiver.decode(ref(3), 2)  # a lane ahead of the other: within the window
     assert plane.received == [1, 3]
+
+
+def test_discard_receives_an_unread_transfer_once_and_skips_received_ones() -> None:
+    plane = RecordingPlane()
+    receiver = HiddenReceiver(8, torch.float32, plane)
+    ref = common_pb2.PlaneRef(transfer_id=1, row_offset=0, num_rows=2, total_rows=4)
+    receiver.decode(common_pb2.HiddenStates(plane=ref), 2)
+    receiver.end_batch()
+    receiver.discard(ref)  # already received (a Propose read it before its caller gave up)
+    receiver.discard(common_pb2.PlaneRef(transfer_id=2, row_offset=0, num_rows=1, total_rows=1))
+    receiver.end_batch()
+    assert plane.received == [1, 2]
+    with pytest.raises(WireError, match="not expected"):  # forged: still refused
+        receiver.discard(common_pb2.PlaneRef(transfer_id=10_000, num_rows=1, total_rows=1))
