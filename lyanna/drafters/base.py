@@ -15,8 +15,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from lyanna.draft_nodes import DraftNodes
 from lyanna.sampling import SamplingParams
-from lyanna.tree import DraftNodes, DraftScheme, TokenTree
+from lyanna.tree import DraftScheme, TokenTree
 from lyanna.tree_cost import GainCalibration, VerifyCost
 
 

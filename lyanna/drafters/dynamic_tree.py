@@ -30,11 +30,12 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from lyanna.draft_nodes import DraftNodes
 from lyanna.drafters.base import DraftBudget
 from lyanna.drafters.sampled import DraftSampling, SampledDrafting, SampledTrees, head_children
 from lyanna.drafters.scopes import LAYER_SCOPE
 from lyanna.kv_cache import KVCache
-from lyanna.tree import DraftNodes, TokenTree
+from lyanna.tree import TokenTree
 
 
 class RootedState(Protocol):

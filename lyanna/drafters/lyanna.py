@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch.profiler import record_function
 
+from lyanna.draft_nodes import DraftNodes
 from lyanna.drafters.base import DraftBudget, VerifiedStep
 from lyanna.drafters.checkpoint import read_checkpoint
 from lyanna.drafters.heads import draft_weight_dtype, hot_lm_head
@@ -29,7 +30,7 @@ from lyanna.drafters.token_info_tree import build_subtrees, resample_subtree
 from lyanna.kv_cache import KVCache
 from lyanna.model.cpu_kernels import prepack_linears
 from lyanna.model.transformer import ForwardContext, Transformer
-from lyanna.tree import DraftNodes, TokenTree
+from lyanna.tree import TokenTree
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "lyanna-smollm2-135m"
 

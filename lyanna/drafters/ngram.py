@@ -17,8 +17,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from lyanna.draft_nodes import DraftNodes
 from lyanna.drafters.base import DraftBudget, VerifiedStep
-from lyanna.tree import DraftNodes, DraftScheme, TokenTree
+from lyanna.tree import DraftScheme, TokenTree
 from lyanna.tree_cost import GainCalibration
 
 MAX_MATCHES = 64  # most recent occurrences of the suffix that feed the trie

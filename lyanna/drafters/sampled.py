@@ -19,10 +19,11 @@ from dataclasses import dataclass, replace
 import torch
 from torch.profiler import record_function
 
+from lyanna.draft_nodes import DraftNodes
 from lyanna.drafters.base import VerifiedStep
 from lyanna.drafters.scopes import LM_HEAD_SCOPE, SAMPLE_SCOPE, SOFTMAX_SCOPE
 from lyanna.sampling import SamplingParams, logits_to_probs, sample_distinct
-from lyanna.tree import DraftNodes, DraftScheme
+from lyanna.tree import DraftScheme
 from lyanna.tree_cost import GainCalibration
 
 

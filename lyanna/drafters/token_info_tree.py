@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from lyanna.draft_nodes import DraftNodes
 from lyanna.drafters.sampled import DraftSampling, SampledTrees, draw_children
-from lyanna.tree import DraftNodes
 
 
 def build_subtrees(

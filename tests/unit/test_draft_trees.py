@@ -14,13 +14,14 @@ import pytest
 import torch
 from torch.profiler import record_function
 
+from lyanna.draft_nodes import DraftNodes
 from lyanna.drafters.base import DraftBudget, VerifiedStep
 from lyanna.drafters.dynamic_tree import TreeContext
 from lyanna.drafters.eagle import EagleDrafter
 from lyanna.drafters.lyanna import _token_paths
 from lyanna.drafters.scopes import LAYER_SCOPE, SOFTMAX_SCOPE
 from lyanna.drafters.token_info_tree import build_subtree, build_subtrees, resample_subtree
-from lyanna.tree import DraftNodes, DraftScheme, TokenTree
+from lyanna.tree import DraftScheme, TokenTree
 from tests.conftest import make_tiny_model
 from tests.unit.test_eagle import random_head
 

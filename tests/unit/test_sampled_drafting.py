@@ -15,6 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from lyanna.draft_nodes import DraftNodes
 from lyanna.drafters.base import DraftBudget, VerifiedStep
 from lyanna.drafters.eagle import EagleDrafter
 from lyanna.drafters.lyanna import LyannaDrafter
@@ -23,7 +24,7 @@ from lyanna.drafters.sps import SpsDrafter
 from lyanna.engine import EngineConfig, SpecEngine
 from lyanna.sampling import SamplingParams, logits_to_probs, sample_distinct
 from lyanna.sequence import Sequence
-from lyanna.tree import DraftNodes, DraftScheme, _best_nodes, _log_joint
+from lyanna.tree import DraftScheme, _best_nodes, _log_joint
 from lyanna.tree_cost import VerifyCost
 from lyanna.verify import RULES
 from tests.conftest import make_tiny_model

@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from lyanna.tree import DraftNodes, DraftScheme, TokenTree, pack_trees
+from lyanna.draft_nodes import DraftNodes
+from lyanna.tree import DraftScheme, TokenTree, pack_trees
 
 #        0
 #      /   \

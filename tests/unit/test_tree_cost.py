@@ -7,8 +7,8 @@ import random
 
 import pytest
 
+from lyanna.draft_nodes import DraftNodes
 from lyanna.drafters.base import DraftBudget
-from lyanna.tree import DraftNodes
 from lyanna.tree_cost import VerifyCost
 
 
