@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from lyanna.sampling import MAX_STOP_STRINGS
+from services.tls import ClientTls
 
 MODES = ("embedded", "services")
 
@@ -31,6 +32,12 @@ class GatewayConfig:
     default_max_tokens: int = 512  # when a request names none (clipped to the context)
     max_stop_strings: int = 4
     max_stop_chars: int = 64
+    # services mode: TLS to the verifier and drafter (services.tls); a CA turns it on, a
+    # client certificate and key answer services that require mutual TLS
+    services_tls_ca: str = ""
+    services_tls_cert: str = ""
+    services_tls_key: str = ""
+    services_tls_server_name: str = ""  # the name in the services' certificates, if not the host
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -54,8 +61,22 @@ class GatewayConfig:
             raise ValueError("per-key limits must be >= 0")
         if self.metrics_need_key and not (self.api_keys or self.api_keys_file):
             raise ValueError("metrics_need_key needs API keys")
+        if (self.services_tls_cert or self.services_tls_key) and not self.services_tls_ca:
+            raise ValueError("a client certificate for the services needs services_tls_ca")
+        self.services_tls()  # validates the certificate / key pairing
         if not 0 <= self.max_stop_strings <= MAX_STOP_STRINGS:
             raise ValueError(f"max_stop_strings must be in [0, {MAX_STOP_STRINGS}]")
+
+    def services_tls(self) -> ClientTls | None:
+        """How the gateway reaches the services: None = plaintext."""
+        if not self.services_tls_ca:
+            return None
+        return ClientTls(
+            self.services_tls_ca,
+            self.services_tls_cert or None,
+            self.services_tls_key or None,
+            self.services_tls_server_name or None,
+        )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> GatewayConfig:

@@ -141,6 +141,7 @@ def _serve_remote(
         max_running=args.max_batch,
         max_waiting=args.max_waiting,
         queue_timeout=args.queue_timeout,
+        tls=config.services_tls(),
     )
     backend = RemoteBackend(remote, eos, make_detokenize(tokenizer))
 

@@ -51,6 +51,7 @@ from gateway.remote_seq import RemoteSeq, root_only_tree
 from lyanna.sequence import Sequence
 from services import codec
 from services.pb import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from services.tls import aio_channel
 
 logger = logging.getLogger(__name__)
 
@@ -97,11 +98,11 @@ class RemoteBackend(Admission):
 
     async def start(self) -> None:
         options = self.config.channel_options()
-        channel = grpc.aio.insecure_channel(self.config.verifier_addr, options=options)
+        channel = aio_channel(self.config.verifier_addr, self.config.tls, options)
         self._channels.append(channel)
         self._verifier = verifier_pb2_grpc.VerifierStub(channel)
         if self.config.drafter_addr:
-            channel = grpc.aio.insecure_channel(self.config.drafter_addr, options=options)
+            channel = aio_channel(self.config.drafter_addr, self.config.tls, options)
             self._channels.append(channel)
             self.drafter = DrafterLink(drafter_pb2_grpc.DrafterStub(channel), self.config)
         try:

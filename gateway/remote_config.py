@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.tls import ClientTls
+
 
 @dataclass(frozen=True, slots=True)
 class RemoteConfig:
@@ -28,6 +30,7 @@ class RemoteConfig:
     # past this a drafter that loses the sequence leaves it target-only (None: max_message_mb)
     max_hidden_mb: float | None = None
     drain_seconds: float = 30.0
+    tls: ClientTls | None = None  # None: plaintext channels to both services
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_waiting < 1 or self.max_message_mb < 1:

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from services.tls import check_server_files
+
 PLANE_BACKENDS = ("grpc", "gloo", "nccl")
 PARENT_PID_ENV = "LYANNA_PARENT_PID"  # set by services.launch for the services it starts
 
@@ -40,6 +42,10 @@ class ServerConfig:
     reflection: bool = False  # gRPC server reflection (lists the services to anyone who asks)
     metrics_port: int = -1  # Prometheus /metrics: -1 = off, 0 = any free port
     metrics_port_file: str | None = None  # write the bound metrics port here
+    # TLS (services.tls): certificate and key of this service; with a client CA, mutual TLS
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -54,6 +60,7 @@ class ServerConfig:
             raise ValueError("grace_seconds must be >= 0")
         if self.plane not in PLANE_BACKENDS:
             raise ValueError(f"plane must be one of {PLANE_BACKENDS}, got {self.plane!r}")
+        check_server_files(self.tls_cert, self.tls_key, self.tls_client_ca)
 
     @property
     def max_message_bytes(self) -> int:

@@ -54,6 +54,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.config import PARENT_PID_ENV
+from services.tls import ClientTls, sync_channel
 
 SERVICES = ("verifier", "drafter")
 
@@ -84,6 +85,7 @@ class Deployment:
     startup_timeout: float
     children: dict[str, _Child] = field(default_factory=dict)
     gateway_port: int | None = None
+    tls: ClientTls | None = None  # how the health checks reach TLS services
     _scratch: tempfile.TemporaryDirectory | None = None
 
     @property
@@ -109,7 +111,7 @@ class Deployment:
         child = self.children[name]
         self.kill(name)
         _start_service(child, self.env, fixed_port=child.port)
-        _wait_service(child, self.startup_timeout)
+        _wait_service(child, self.startup_timeout, self.tls)
 
     def stop(self, timeout: float = 15.0) -> None:
         """SIGTERM every child (gateway first), wait, then SIGKILL the stragglers."""
@@ -160,7 +162,7 @@ def _start_service(child: _Child, env: dict[str, str], fixed_port: int = 0) -> N
     child.process = _spawn(argv, child.log_path, env)
 
 
-def _wait_service(child: _Child, timeout: float) -> None:
+def _wait_service(child: _Child, timeout: float, tls: ClientTls | None = None) -> None:
     port_file = child.log_path.with_suffix(".port")
     deadline = time.monotonic() + timeout
     while not port_file.is_file():
@@ -170,7 +172,7 @@ def _wait_service(child: _Child, timeout: float) -> None:
             raise LaunchError(f"{child.name} did not start in {timeout}s")
         time.sleep(0.1)
     child.port = int(port_file.read_text())
-    with grpc.insecure_channel(f"127.0.0.1:{child.port}") as channel:
+    with sync_channel(f"127.0.0.1:{child.port}", tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
@@ -209,9 +211,12 @@ def launch(
     startup_timeout: float = 180.0,
     log_dir: str | Path | None = None,
     env: Mapping[str, str] | None = None,
+    tls: ClientTls | None = None,
 ) -> Deployment:
     """Start drafter and verifier (and the gateway command), wait for health; see the module
-    docstring. On any startup failure everything started so far is stopped."""
+    docstring. On any startup failure everything started so far is stopped. Services that
+    serve TLS (``--tls-*`` in ``verifier_args`` / ``drafter_args``) are health-checked with
+    ``tls``."""
     scratch = tempfile.TemporaryDirectory(prefix="lyanna-services-") if log_dir is None else None
     logs = Path(scratch.name if scratch else log_dir)
     logs.mkdir(parents=True, exist_ok=True)
@@ -222,7 +227,7 @@ def launch(
     common = ["--model", str(model), "--torch-threads", str(torch_threads), "--plane", plane]
     if plane != "grpc":
         common += ["--plane-addr", f"127.0.0.1:{free_port()}"]
-    deployment = Deployment(logs, child_env, startup_timeout, _scratch=scratch)
+    deployment = Deployment(logs, child_env, startup_timeout, tls=tls, _scratch=scratch)
     python = [sys.executable, "-m"]
     deployment.children["verifier"] = _Child(
         "verifier", [*python, "services.verifier", *common, *verifier_args], logs / "verifier.log"
@@ -236,7 +241,7 @@ def launch(
         for name in SERVICES:
             _start_service(deployment.children[name], child_env)
         for name in SERVICES:
-            _wait_service(deployment.children[name], startup_timeout)
+            _wait_service(deployment.children[name], startup_timeout, tls)
         if gateway_command is not None:
             _start_gateway(deployment, list(gateway_command), method)
     except BaseException:

@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from lyanna.kv_cache import CacheFullError
 from lyanna.target import OutOfStepError, UnknownSequenceError
 from services.config import PARENT_PID_ENV, ServerConfig
+from services.tls import server_credentials
 
 log = logging.getLogger("lyanna.services")
 
@@ -119,7 +120,12 @@ def serve(
     if config.reflection:
         names = (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+    address = f"{config.host}:{config.port}"
+    if credentials is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, credentials)
     if port == 0:
         raise OSError(f"cannot bind {config.host}:{config.port}")
     server.start()
@@ -129,7 +135,8 @@ def serve(
         scratch = Path(config.port_file + ".tmp")
         scratch.write_text(str(port))
         scratch.replace(config.port_file)
-    log.info("serving %s on %s:%d", ", ".join(service_names), config.host, port)
+    mode = "plaintext" if credentials is None else "mutual TLS" if config.tls_client_ca else "TLS"
+    log.info("serving %s on %s:%d (%s)", ", ".join(service_names), config.host, port, mode)
     # The handler only records the signal: setting a threading.Event from a signal handler
     # deadlocks when the signal lands while the main thread holds that Event's lock inside
     # Event.wait (seen: a service that ignored every later SIGTERM).
