@@ -32,20 +32,22 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_positions, head_dim] in the Hugging Face (rotate-half) layout."""
+    """cos and *signed* sin tables [max_positions, hd] for the Hugging Face (rotate-half)
+    layout: the sin table's first half is negated, so a rotation is one ``roll`` and two
+    products (``apply_rope``) instead of two slices, a negation and a concatenation."""
     hd = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
     pos = torch.arange(config.max_position_embeddings, dtype=torch.float32)
     freqs = torch.outer(pos, inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    sin = freqs.sin()
+    return torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((-sin, sin), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., hd]; cos/sin broadcastable to it (x [B, heads, q, hd] with cos [B, 1, q, hd])."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [..., hd]; tables from ``rope_tables`` broadcastable to it (x [B, heads, q, hd] with
+    cos [B, 1, q, hd]). The same numbers as HF's ``x*cos + rotate_half(x)*sin``: the halves
+    swap by ``roll`` and the sign comes from the table (negation is exact)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def grouped_attention(
@@ -94,7 +96,7 @@ class Attention(nn.Module):
         xq = qk[:, :, :nh].transpose(1, 2)
         xk = qk[:, :, nh:].transpose(1, 2)
         xv = qkv[:, :, nh + nkv :].transpose(1, 2)
-        ctx.cache.write(layer, ctx.slots, ctx.rows, xk, xv)
+        ctx.cache.write(layer, ctx.slots, getattr(ctx, "write_rows", ctx.rows), xk, xv)
         keys, values = ctx.cache.read(layer, ctx.slots, ctx.kv_len)
         attention_dtype = getattr(ctx, "attention_dtype", None)  # drafters' contexts: None
         is_causal = getattr(ctx, "is_causal", False)
@@ -155,6 +157,11 @@ class ForwardContext:
         # a fresh prompt alone: causal attention over exactly its own rows, no mask to build
         self.is_causal = tree_mask is None and q > 1 and B == 1 and int(lengths[0]) == 0
         self.rows = lengths[:, None] + torch.arange(q)  # [B, q]
+        if B == 1:  # one sequence: its new rows are consecutive (a slice write, no index)
+            start = int(lengths[0])
+            self.write_rows: torch.Tensor | slice = slice(start, start + q)
+        else:
+            self.write_rows = self.rows
         self.kv_len = int(lengths.max()) + q
         self.cos = cos_table[positions].unsqueeze(1)  # [B, 1, q, hd]
         self.sin = sin_table[positions].unsqueeze(1)
