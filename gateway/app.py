@@ -42,6 +42,8 @@ from gateway.text import TextStream, make_detokenize
 
 SSE_DONE = "data: [DONE]\n\n"
 API_KEY_STATE = "lyanna_api_key"  # the matched key, in the request's scope state
+# component states under which the gateway still serves (a drafter in fallback: target-only)
+SERVING_STATES = ("degraded:", "fallback:")
 
 
 def sse(payload: dict) -> str:
@@ -299,6 +301,21 @@ def create_app(
         serving = all(v == "ok" or v.startswith("degraded:") for v in components.values())
         body = {"status": "ok" if serving else "unavailable", "components": components}
         return JSONResponse(body, status_code=200 if serving else 503)
+
+    @app.get("/livez")
+    async def livez() -> dict:
+        """Liveness: the process answers (never its peers' state: a verifier outage must
+        not get the gateway restarted)."""
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        """Readiness: the gateway can serve, target-only included (a drafter in fallback is
+        not a reason to take it out of rotation; a verifier outage is)."""
+        components = await backend.health()
+        ready = all(v == "ok" or v.startswith(SERVING_STATES) for v in components.values())
+        body = {"status": "ready" if ready else "unavailable", "components": components}
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -1,5 +1,5 @@
 """Generate the Prometheus recording rules and alerts of Lyanna (``lyanna-rules.yaml``, the
-``groups`` of a rule file; ``deploy/k8s/prometheusrule.yaml`` wraps the same groups in a
+``groups`` of a rule file; ``deploy/k8s/base/prometheusrule.yaml`` wraps the same groups in a
 PrometheusRule for the Prometheus operator).
 
     python -m deploy.prometheus.rules          # rewrite both files
@@ -18,7 +18,7 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 RULES = HERE / "lyanna-rules.yaml"
-PROMETHEUS_RULE = HERE.parents[0] / "k8s" / "prometheusrule.yaml"
+PROMETHEUS_RULE = HERE.parents[0] / "k8s" / "base" / "prometheusrule.yaml"
 WINDOW = "5m"
 POSITIONS = 8  # conditional acceptance recorded for depths 1..POSITIONS
 BY = "method, model"

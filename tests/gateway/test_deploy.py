@@ -10,9 +10,13 @@ import json
 import re
 from pathlib import Path
 
-import yaml
+import kubernetes_validate
+import pytest
+from yamllint import linter as yamllint_linter
+from yamllint.config import YamlLintConfig
 
 from deploy.grafana import dashboard as grafana_dashboard
+from deploy.k8s.render import render
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from services.config import ServerConfig, parse_configs
@@ -23,38 +27,169 @@ from services.verifier.server import VerifierConfig
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
-def documents() -> dict[tuple[str, str], dict]:
-    kustomization = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
-    docs = {}
-    for resource in kustomization["resources"]:
-        for doc in yaml.safe_load_all((DEPLOY / "k8s" / resource).read_text()):
-            docs[(doc["kind"], doc["metadata"]["name"])] = doc
-    return docs
+OVERLAYS = ("cpu", "a800", "h800")
+OPERATOR_KINDS = ("ServiceMonitor", "PrometheusRule")  # CRDs: not in the Kubernetes schema
+K8S_VERSION = "1.30.0"  # the oldest minor the manifests promise to validate against
+YAMLLINT = """
+extends: default
+rules:
+  line-length: {max: 120, level: warning}
+  document-start: disable
+  truthy: {check-keys: false}
+  comments: {min-spaces-from-content: 1}
+  braces: {max-spaces-inside: 1}
+  indentation: {indent-sequences: whatever}
+"""
 
 
-def test_deployments_services_and_gpus() -> None:
-    docs = documents()
-    deployments = {name: d for (kind, name), d in docs.items() if kind == "Deployment"}
-    assert set(deployments) == {"lyanna-verifier", "lyanna-drafter", "lyanna-gateway"}
-    for name, deployment in deployments.items():
-        pod = deployment["spec"]["template"]
-        selector = deployment["spec"]["selector"]["matchLabels"]
-        assert selector.items() <= pod["metadata"]["labels"].items()
-        service = docs[("Service", name)]
-        assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
-        ports = {p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
-        assert {p["targetPort"] for p in service["spec"]["ports"]} <= ports
-        limits = pod["spec"]["containers"][0]["resources"]["limits"]
-        if name == "lyanna-gateway":
-            assert "nvidia.com/gpu" not in limits
+def documents(overlay: str = "cpu") -> dict[tuple[str, str], dict]:
+    """The objects ``kubectl apply -k deploy/k8s/overlays/<overlay>`` creates."""
+    return {
+        (doc["kind"], doc["metadata"]["name"]): doc
+        for doc in render(DEPLOY / "k8s" / "overlays" / overlay)
+    }
+
+
+def pod_of(doc: dict) -> dict:
+    return doc["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlays_render_and_validate_strictly(overlay: str) -> None:
+    docs = documents(overlay)
+    for (kind, name), doc in docs.items():
+        if kind in OPERATOR_KINDS:
+            assert doc["apiVersion"] == "monitoring.coreos.com/v1", name
+            continue
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)  # raises on any error
+        if kind != "Namespace":
+            assert doc["metadata"]["namespace"] == "lyanna", (kind, name)
+        assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "lyanna"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_gpu_pools_and_placement(overlay: str) -> None:
+    docs = documents(overlay)
+    for role in ("verifier", "drafter"):
+        pod = pod_of(docs[("Deployment", f"lyanna-{role}")])
+        limits = pod["containers"][0]["resources"]["limits"]
+        if overlay == "cpu":
+            assert "nvidia.com/gpu" not in limits and "affinity" not in pod
             continue
         assert limits["nvidia.com/gpu"] == 1
-        assert any(t["key"] == "nvidia.com/gpu" for t in pod["spec"]["tolerations"])
-        terms = pod["spec"]["affinity"]["nodeAffinity"][
-            "requiredDuringSchedulingIgnoredDuringExecution"
-        ]["nodeSelectorTerms"]
-        products = terms[0]["matchExpressions"][0]["values"]
-        assert any("A800" in p for p in products) and any("H800" in p for p in products)
+        assert pod["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] == 1
+        assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+        terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        products = terms["nodeSelectorTerms"][0]["matchExpressions"][0]["values"]
+        assert products and all(overlay.upper() in p for p in products)
+        mounts = {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+        assert "/dev/shm" in mounts
+    drafter = pod_of(docs[("Deployment", "lyanna-drafter")])
+    if overlay != "cpu":  # next to its data-plane peer
+        near = drafter["affinity"]["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+        assert near[0]["podAffinityTerm"]["labelSelector"]["matchLabels"] == {
+            "app.kubernetes.io/component": "verifier"
+        }
+    gateway = pod_of(docs[("Deployment", "lyanna-gateway")])
+    assert "nvidia.com/gpu" not in gateway["containers"][0]["resources"]["limits"]
+
+
+def test_pods_are_locked_down_bounded_and_read_the_model_volume() -> None:
+    docs = documents("h800")
+    pods = {name: pod_of(d) for (kind, name), d in docs.items() if kind in ("Deployment", "Job")}
+    assert set(pods) == {
+        "lyanna-verifier",
+        "lyanna-drafter",
+        "lyanna-gateway",
+        "lyanna-fetch-model",
+    }
+    for name, pod in pods.items():
+        assert pod["securityContext"]["runAsNonRoot"] is True, name
+        claims = {
+            v["persistentVolumeClaim"]["claimName"]
+            for v in pod["volumes"]
+            if "persistentVolumeClaim" in v
+        }
+        assert claims == {"lyanna-models"}, name
+        for container in (*pod.get("initContainers", []), *pod["containers"]):
+            context = container["securityContext"]
+            assert context["readOnlyRootFilesystem"] and not context["allowPrivilegeEscalation"]
+            assert context["capabilities"]["drop"] == ["ALL"]
+            resources = container["resources"]
+            assert {"cpu", "memory"} <= set(resources["requests"]) and "memory" in resources[
+                "limits"
+            ]
+            assert container["image"].startswith("registry.example.com/lyanna/lyanna")
+            mounts = {m["mountPath"] for m in container["volumeMounts"]}
+            assert {"/models", "/tmp"} <= mounts, (name, container["name"])  # writable dirs
+
+
+def test_probes_follow_what_each_process_can_answer() -> None:
+    docs = documents()
+    gateway = pod_of(docs[("Deployment", "lyanna-gateway")])["containers"][0]
+    assert gateway["livenessProbe"]["httpGet"]["path"] == "/livez"  # never its peers
+    assert gateway["readinessProbe"]["httpGet"]["path"] == "/readyz"  # target-only counts
+    assert gateway["startupProbe"]["httpGet"]["path"] == "/livez"
+    for role, port in (("verifier", 50051), ("drafter", 50052)):
+        container = pod_of(docs[("Deployment", f"lyanna-{role}")])["containers"][0]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"]["port"] == port, (role, probe)
+
+
+def test_only_gateways_reach_the_services_and_the_gateway_scales() -> None:
+    docs = documents()
+    policy = docs[("NetworkPolicy", "lyanna-services")]
+    grpc_rule = policy["spec"]["ingress"][0]
+    assert grpc_rule["from"] == [
+        {"podSelector": {"matchLabels": {"app.kubernetes.io/component": "gateway"}}}
+    ]
+    assert {p["port"] for p in grpc_rule["ports"]} == {50051, 50052}
+    selected = policy["spec"]["podSelector"]["matchExpressions"][0]["values"]
+    assert set(selected) == {"verifier", "drafter"}
+    hpa = docs[("HorizontalPodAutoscaler", "lyanna-gateway")]
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "lyanna-gateway"
+    metric = hpa["spec"]["metrics"][0]["pods"]["metric"]["name"]
+    assert metric in registered_samples()
+    assert docs[("PodDisruptionBudget", "lyanna-gateway")]["spec"]["minAvailable"] == 1
+
+
+def test_monitoring_objects_scrape_every_process_and_carry_the_generated_files() -> None:
+    docs = documents()
+    services = {name: d for (kind, name), d in docs.items() if kind == "Service"}
+    scraped = set()
+    for (kind, _), monitor in docs.items():
+        if kind != "ServiceMonitor":
+            continue
+        for name, service in services.items():
+            labels = service["metadata"]["labels"]
+            selector = monitor["spec"]["selector"]
+            match = selector.get("matchLabels", {}).items() <= labels.items()
+            for expression in selector.get("matchExpressions", []):
+                match &= labels.get(expression["key"]) in expression["values"]
+            if match:
+                ports = {p["name"] for p in service["spec"]["ports"]}
+                assert {e["port"] for e in monitor["spec"]["endpoints"]} <= ports
+                scraped.add(name)
+    assert scraped == {"lyanna-gateway", "lyanna-verifier", "lyanna-drafter"}
+    board = docs[("ConfigMap", "lyanna-dashboard")]
+    assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(board["data"]["lyanna.json"]) == grafana_dashboard.dashboard()
+    assert (DEPLOY / "k8s" / "base" / "grafana-dashboard.yaml").read_text() == (
+        grafana_dashboard.config_map()
+    )
+    rule = docs[("PrometheusRule", "lyanna")]
+    assert rule["spec"]["groups"]
+
+
+def test_every_manifest_passes_yamllint() -> None:
+    config = YamlLintConfig(YAMLLINT)
+    problems = [
+        f"{path}:{p.line}: {p.desc}"
+        for path in sorted(DEPLOY.rglob("*.yaml"))
+        for p in yamllint_linter.run(path.read_text(), config, str(path))
+        if p.level == "error"
+    ]
+    assert not problems, problems
 
 
 def test_configmap_is_valid_for_every_process() -> None:
@@ -76,10 +211,18 @@ def test_configmap_is_valid_for_every_process() -> None:
         assert env[key] == f"{name}:{server.port}"
         assert services[name]["spec"]["ports"][0]["port"] == server.port
         assert server.host == "0.0.0.0"
-    assert drafter.method == "lyanna" and verifier.max_len >= gateway.max_prompt_tokens
-    gateway_pod = docs[("Deployment", "lyanna-gateway")]["spec"]["template"]
-    assert gateway_pod["metadata"]["annotations"]["prometheus.io/port"] == str(gateway.port)
-    assert "services" in gateway_pod["spec"]["containers"][0]["command"]
+    assert drafter.method == "lyanna"
+    # a request at the advertised limits fits the KV with one tree on top (the verifier
+    # reserves max_tree_nodes rows; the gateway refuses prompt + max_tokens beyond the rest)
+    needed = gateway.max_prompt_tokens + gateway.max_output_tokens + verifier.max_tree_nodes
+    assert needed <= verifier.max_len
+    gateway_pod = pod_of(docs[("Deployment", "lyanna-gateway")])
+    assert gateway_pod["containers"][0]["ports"][0]["containerPort"] == gateway.port
+    assert "services" in gateway_pod["containers"][0]["command"]
+    for role, server in (("verifier", verifier_server), ("drafter", drafter_server)):
+        container = pod_of(docs[("Deployment", f"lyanna-{role}")])["containers"][0]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports == {"grpc": server.port, "metrics": server.metrics_port}
 
 
 def registered_samples() -> set[str]:

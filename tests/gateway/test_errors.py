@@ -323,3 +323,35 @@ def test_each_key_has_a_bounded_number_of_tokens_per_minute(default_tokenizer) -
             assert client.get("/v1/models", headers=k1).status_code == 429  # every /v1 route
     finally:
         server.stop()
+
+
+class StatusBackend(RefusingBackend):
+    """Reports whatever component states the test sets."""
+
+    def __init__(self) -> None:
+        super().__init__(RuntimeError("unused"))
+        self.states: dict[str, str] = {}
+
+    async def health(self) -> dict[str, str]:
+        return dict(self.states)
+
+
+def test_probes_liveness_is_independent_and_readiness_survives_drafter_fallback(
+    default_tokenizer,
+) -> None:
+    backend = StatusBackend()
+    config = GatewayConfig(model_name=MODEL_NAME, api_keys=("k",))
+    server = ThreadedServer(create_app(backend, default_tokenizer, config)).start()
+    try:
+        cases = [  # (components, ready, /health)
+            ({"verifier": "ok", "drafter": "ok"}, 200, 200),
+            ({"verifier": "ok", "drafter": "fallback: UNAVAILABLE"}, 200, 503),
+            ({"verifier": "UNAVAILABLE", "drafter": "ok"}, 503, 503),
+        ]
+        for states, ready, health in cases:
+            backend.states = states
+            assert httpx.get(server.url + "/livez").status_code == 200  # no key, no peers
+            assert httpx.get(server.url + "/readyz").status_code == ready, states
+            assert httpx.get(server.url + "/health").status_code == health, states
+    finally:
+        server.stop()
