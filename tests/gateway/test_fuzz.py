@@ -1,0 +1,98 @@
+"""Schemathesis against the gateway's own OpenAPI schema: requests generated from it, valid
+(positive) and invalid (negative), never get a 5xx, and every 4xx carries an OpenAI error
+body. The backend answers with a few fixed tokens, so what is fuzzed is the HTTP surface:
+parsing, validation, bounds, tokenization, streaming and error mapping. Derandomized, so a
+failure reproduces."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+
+from gateway.app import create_app
+from gateway.backend import GenerationRequest, TokenDelta
+from gateway.config import GatewayConfig
+from tests.gateway.conftest import MODEL_NAME
+
+EXAMPLES = 60  # per route and mode
+ROUTES = ("/v1/chat/completions", "/v1/completions")
+
+
+class FewTokensBackend:
+    """Every request gets up to three tokens, then ``length``."""
+
+    max_context = 2048
+    default_method = "ar"
+    methods = ("ar", "ngram")
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    async def health(self) -> dict[str, str]:
+        return {"engine": "ok"}
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        count = max(1, min(request.params.max_tokens, 3))
+        for i in range(count):
+            yield TokenDelta(
+                [42 + i],
+                finish_reason="length" if i == count - 1 else None,
+                prompt_tokens=len(request.prompt_ids) if i == 0 else None,
+            )
+
+
+@pytest.fixture(scope="module")
+def schema(default_tokenizer):
+    app = create_app(FewTokensBackend(), default_tokenizer, GatewayConfig(model_name=MODEL_NAME))
+    return schemathesis.openapi.from_asgi("/openapi.json", app)
+
+
+def problems_of(response) -> str | None:
+    if response.status_code >= 500:
+        return f"{response.status_code}: {response.text[:300]}"
+    if response.status_code >= 400:
+        try:
+            error = response.json()["error"]
+        except (ValueError, KeyError, TypeError):
+            return f"{response.status_code} without an OpenAI error body: {response.text[:300]}"
+        if not {"message", "type", "param", "code"} <= set(error) or not error["message"]:
+            return f"{response.status_code} with an incomplete error body: {error}"
+    return None
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+@pytest.mark.parametrize("route", ROUTES)
+def test_generated_requests_get_no_5xx_and_openai_errors(schema, route, mode) -> None:
+    operation = schema[route]["POST"]
+    statuses: set[int] = set()
+    failures: list[str] = []
+
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def run(case) -> None:
+        response = case.call()
+        statuses.add(response.status_code)
+        problem = problems_of(response)
+        if problem is not None:
+            failures.append(f"{case.body!r:.300} -> {problem}")
+
+    run()
+    assert not failures, failures[:5]
+    # the fuzzing reached the handlers: valid requests answered, invalid ones refused
+    if mode is GenerationMode.POSITIVE:
+        assert 200 in statuses, statuses
+    else:
+        assert statuses and all(400 <= s < 500 for s in statuses), statuses
