@@ -29,7 +29,14 @@ from gateway.backend import (
     StepFacts,
     TokenDelta,
 )
-from lyanna.drafters import DRAFTERS, TREE_MODES, DraftBudget, make_drafter, tree_budget
+from lyanna.drafters import (
+    DRAFTERS,
+    TREE_MODES,
+    DraftBudget,
+    DraftCapacity,
+    make_drafter,
+    tree_budget,
+)
 from lyanna.engine import Emitted, EngineConfig, SpecEngine
 from lyanna.model.transformer import Transformer
 from lyanna.sampling import SamplingParams
@@ -218,7 +225,8 @@ class EmbeddedBackend:
         engine_config = EngineConfig(self.config.max_batch, self._max_len, self.config.rule)
         try:
             budget = tree_budget(method, self.model, self.config.tree, self.config.budget)
-            drafter = make_drafter(method, self.model, budget)
+            capacity = DraftCapacity(self.config.max_batch, self._max_len)
+            drafter = make_drafter(method, self.model, budget, capacity)
             engine = SpecEngine(self.model, drafter, engine_config)
             self._warm_up(engine)
         except ENGINE_BUILD_ERRORS as err:

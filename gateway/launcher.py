@@ -99,10 +99,11 @@ def _serve_services(args: argparse.Namespace, config: GatewayConfig) -> None:
     if args.verifier_addr:  # the services run elsewhere (deploy/k8s): connect, start nothing
         _serve_remote(args, config, tokenizer, eos, args.verifier_addr, args.drafter_addr)
         return
-    verifier_args = ("--max-seqs", str(args.max_batch), "--max-len", str(args.max_len))
-    verifier_args += ("--weights", args.weights)
+    # one capacity for both services: a drafter with fewer slots would refuse sequences
+    capacity = ("--max-seqs", str(args.max_batch), "--max-len", str(args.max_len))
+    verifier_args = (*capacity, "--weights", args.weights)
     # the drafter loads the target in the verifier's format to measure its cost curve
-    drafter_args = ("--weights", args.weights, "--tree", args.tree)
+    drafter_args = (*capacity, "--weights", args.weights, "--tree", args.tree)
     for method in dict.fromkeys((args.method, *FALLBACK_METHODS)):
         try:
             deployment = launch(

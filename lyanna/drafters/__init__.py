@@ -10,36 +10,38 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from types import MappingProxyType
 
-from lyanna.drafters.base import DraftBudget, Drafter, NoDrafter, VerifiedStep
+from lyanna.drafters.base import DraftBudget, DraftCapacity, Drafter, NoDrafter, VerifiedStep
 from lyanna.model.transformer import Transformer
 
-DrafterFactory = Callable[[Transformer, DraftBudget], Drafter]
+DrafterFactory = Callable[[Transformer, DraftBudget, DraftCapacity], Drafter]
 
 
-def _ar(model: Transformer, budget: DraftBudget) -> Drafter:
+def _ar(model: Transformer, budget: DraftBudget, capacity: DraftCapacity) -> Drafter:
     return NoDrafter()
 
 
-def _ngram(model: Transformer, budget: DraftBudget) -> Drafter:
+def _ngram(model: Transformer, budget: DraftBudget, capacity: DraftCapacity) -> Drafter:
     from lyanna.drafters.ngram import NgramDrafter
 
     return NgramDrafter(budget)
 
 
-def _eagle(model: Transformer, budget: DraftBudget) -> Drafter:
+def _eagle(model: Transformer, budget: DraftBudget, capacity: DraftCapacity) -> Drafter:
     from lyanna.drafters.eagle import EagleDrafter
 
-    return EagleDrafter(model, budget=budget)
+    return EagleDrafter(model, budget=budget, max_seqs=capacity.max_seqs, max_len=capacity.max_len)
 
 
-def _sps(model: Transformer, budget: DraftBudget) -> Drafter:
+def _sps(model: Transformer, budget: DraftBudget, capacity: DraftCapacity) -> Drafter:
     from lyanna.drafters.sps import SpsDrafter
 
-    return SpsDrafter.from_checkpoint(model, budget=budget)
+    return SpsDrafter.from_checkpoint(
+        model, budget=budget, max_seqs=capacity.max_seqs, max_len=capacity.max_len
+    )
 
 
 def _lyanna_variant(resample_enabled: bool, fusion: bool) -> DrafterFactory:
-    def factory(model: Transformer, budget: DraftBudget) -> Drafter:
+    def factory(model: Transformer, budget: DraftBudget, capacity: DraftCapacity) -> Drafter:
         from lyanna.drafters.lyanna import LyannaDrafter, ResampleConfig
 
         resample = ResampleConfig(enabled=resample_enabled, fusion=fusion)
@@ -47,7 +49,12 @@ def _lyanna_variant(resample_enabled: bool, fusion: bool) -> DrafterFactory:
         # draft time (share 0.26 vs 0.20) for no tau (1.13 vs 1.14); EAGLE-2 and SPS gain
         # (docs/benchmarks.md, "Sampling mode: drafting without replacement")
         return LyannaDrafter.from_checkpoint(
-            model, budget=budget, resample=resample, sample_drafts=False
+            model,
+            budget=budget,
+            resample=resample,
+            sample_drafts=False,
+            max_seqs=capacity.max_seqs,
+            max_len=capacity.max_len,
         )
 
     return factory
@@ -105,18 +112,26 @@ def tree_budget(
     return budget
 
 
-def make_drafter(name: str, model: Transformer, budget: DraftBudget | None = None) -> Drafter:
+def make_drafter(
+    name: str,
+    model: Transformer,
+    budget: DraftBudget | None = None,
+    capacity: DraftCapacity | None = None,
+) -> Drafter:
+    """The drafter of method ``name`` with ``budget`` (default: the method's measured one)
+    and room for ``capacity`` (default: 16 sequences of 4,096 rows)."""
     try:
         factory = DRAFTERS[name]
     except KeyError:
         raise KeyError(f"unknown method {name!r}; known: {sorted(DRAFTERS)}") from None
-    return factory(model, budget or default_budget(name))
+    return factory(model, budget or default_budget(name), capacity or DraftCapacity())
 
 
 __all__ = [
     "DEFAULT_BUDGETS",
     "DRAFTERS",
     "DraftBudget",
+    "DraftCapacity",
     "Drafter",
     "NoDrafter",
     "TREE_MODES",

@@ -65,6 +65,21 @@ class DraftBudget:
         return [n.prune(width) for n in nodes]
 
 
+@dataclass(frozen=True, slots=True)
+class DraftCapacity:
+    """The sequences a drafter keeps state for and the rows each may grow to: the engine's or
+    verifier's capacity (``max_seqs`` KV slots of ``max_len`` rows), handed to every drafter so
+    the two never disagree (a drafter with fewer slots than the engine admits would fail the
+    sequences beyond them)."""
+
+    max_seqs: int = 16
+    max_len: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.max_seqs < 1 or self.max_len < 2:
+            raise ValueError("a drafter needs max_seqs >= 1 and max_len >= 2")
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class VerifiedStep:
     """What one verification taught about one sequence."""

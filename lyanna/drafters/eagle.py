@@ -46,7 +46,7 @@ class EagleDrafter(DynamicTreeDrafter):
         target: Transformer,
         head: EagleHead | None = None,
         budget: DraftBudget | None = None,
-        max_sequences: int = 16,
+        max_seqs: int = 16,
         max_len: int = 4096,
         sample_drafts: bool = True,  # at T > 0: children drawn without replacement
         weight_dtype: torch.dtype | str | None = "auto",  # "auto": draft_weight_dtype(target)
@@ -63,7 +63,7 @@ class EagleDrafter(DynamicTreeDrafter):
         self.rope_cos, self.rope_sin = self.head.rope_cos, self.head.rope_sin
         config = self.head.config.layer_config()
         max_len = min(max_len, config.max_position_embeddings)
-        self.cache = KVCache(config, max_sequences, max_len, torch.float32)
+        self.cache = KVCache(config, max_seqs, max_len, torch.float32)
         self._seqs: dict[int, _DraftState] = {}
 
     # -- Drafter protocol --------------------------------------------------------------

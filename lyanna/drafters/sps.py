@@ -96,7 +96,7 @@ class SpsDrafter(DynamicTreeDrafter):
         student: Transformer,
         hot_vocab: torch.Tensor,  # [num_hot] int64
         budget: DraftBudget | None = None,
-        max_sequences: int = 16,
+        max_seqs: int = 16,
         max_len: int = 4096,
         sample_drafts: bool = True,  # at T > 0: children drawn without replacement
         weight_dtype: torch.dtype | None = None,  # e.g. bf16 (see heads.draft_weight_dtype)
@@ -110,7 +110,7 @@ class SpsDrafter(DynamicTreeDrafter):
         self.lm_head = hot_lm_head(student.embed_tokens.weight, hot_vocab, weight_dtype)
         self.rope_cos, self.rope_sin = student.rope_cos, student.rope_sin
         max_len = min(max_len, student.config.max_position_embeddings)
-        self.cache = KVCache(student.config, max_sequences, max_len, torch.float32)
+        self.cache = KVCache(student.config, max_seqs, max_len, torch.float32)
         self._seqs: dict[int, _DraftState] = {}
 
     @classmethod

@@ -28,6 +28,7 @@ from lyanna.drafters import (
     DRAFTERS,
     TREE_MODES,
     DraftBudget,
+    DraftCapacity,
     Drafter,
     VerifiedStep,
     default_budget,
@@ -61,12 +62,16 @@ class DrafterConfig:
     top_k: int | None = None
     max_draft_tokens: int | None = None
     tree: str = "cost"  # cost: trees sized by the target's cost curve; fixed: the budget
-    # "module:function" building a Drafter from (target model, budget) instead of the
+    # sequences held and rows each may grow to: the verifier's --max-seqs / --max-len
+    max_seqs: int = 16
+    max_len: int = 4096
+    # "module:function" building a Drafter from (target model, budget, capacity) instead of the
     # registry: custom drafters, tests with random-weight heads
     factory: str | None = None
 
     def __post_init__(self) -> None:
         self.shape()  # DraftBudget validates it
+        DraftCapacity(self.max_seqs, self.max_len)  # validates them
         if self.tree not in TREE_MODES:
             raise ValueError(f"tree must be one of {TREE_MODES}, got {self.tree!r}")
         if self.weights not in WEIGHT_FORMATS:
@@ -248,11 +253,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 def make_configured_drafter(
     config: DrafterConfig, model: Transformer, budget: DraftBudget
 ) -> Drafter:
+    capacity = DraftCapacity(config.max_seqs, config.max_len)
     if config.factory is None:
-        return make_drafter(config.method, model, budget)
+        return make_drafter(config.method, model, budget, capacity)
     module_name, _, function = config.factory.partition(":")
     factory = getattr(importlib.import_module(module_name), function)
-    return factory(model, budget)
+    return factory(model, budget, capacity)
 
 
 def build_servicer(config: DrafterConfig, server_config: ServerConfig) -> DrafterServicer:

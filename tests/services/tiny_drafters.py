@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 
-from lyanna.drafters import DraftBudget, Drafter, VerifiedStep
+from lyanna.drafters import DraftBudget, DraftCapacity, Drafter, VerifiedStep
 from lyanna.drafters.lyanna import LyannaDrafter
 from lyanna.drafters.ngram import NgramDrafter
 from lyanna.model.transformer import Transformer
@@ -15,8 +15,13 @@ from lyanna.tree import TokenTree
 from tests.unit.test_lyanna_drafter import tiny_draft
 
 
-def tiny_lyanna(model: Transformer, budget: DraftBudget) -> LyannaDrafter:
-    return LyannaDrafter(model, tiny_draft(model), budget)
+def tiny_lyanna(
+    model: Transformer, budget: DraftBudget, capacity: DraftCapacity | None = None
+) -> LyannaDrafter:
+    capacity = capacity or DraftCapacity()
+    return LyannaDrafter(
+        model, tiny_draft(model), budget, max_seqs=capacity.max_seqs, max_len=capacity.max_len
+    )
 
 
 class SlowDrafter:
@@ -41,6 +46,6 @@ class SlowDrafter:
         self.inner.release(seq_id)
 
 
-def slow_ngram(model: Transformer, budget: DraftBudget) -> SlowDrafter:
+def slow_ngram(model: Transformer, budget: DraftBudget, capacity: DraftCapacity) -> SlowDrafter:
     """An n-gram drafter whose proposals take ``$LYANNA_TEST_PROPOSE_DELAY`` seconds."""
     return SlowDrafter(NgramDrafter(budget), float(os.environ["LYANNA_TEST_PROPOSE_DELAY"]))

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from lyanna.decode import generate
-from lyanna.drafters import DraftBudget, make_drafter
+from lyanna.drafters import DraftBudget, DraftCapacity, make_drafter
 from lyanna.engine import EngineConfig, SpecEngine
+from lyanna.kv_cache import CacheFullError
 from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence
 from lyanna.tokenizer import chat_prompt_ids
@@ -44,3 +45,26 @@ def test_speculative_greedy_equals_plain(method, default_model, plain_outputs) -
     stats = engine.run()
     assert [s.output_ids for s in seqs] == expected
     assert stats.num_drafted > 0
+
+
+@pytest.mark.parametrize("method", ["eagle", "sps", "lyanna"])
+def test_drafters_hold_as_many_sequences_as_the_engine_admits(method, default_model) -> None:
+    """Defect: the learned drafters kept 16 KV slots whatever the engine admitted, so an
+    embedded server with --max-batch above 16 failed every request once the 17th arrived."""
+    capacity = DraftCapacity(max_seqs=20, max_len=256)
+    drafter = make_drafter(method, default_model, DraftBudget(2, 2, 4), capacity)
+    engine = SpecEngine(default_model, drafter, EngineConfig(max_batch=20, max_len=256))
+    seqs = [Sequence(i, [1, 2, 3 + i], SamplingParams(max_tokens=2)) for i in range(20)]
+    for seq in seqs:
+        engine.submit(seq)
+    engine.run()
+    assert all(len(s.output_ids) == 2 for s in seqs)
+    with pytest.raises(CacheFullError):  # the default capacity is too small for it
+        small = SpecEngine(
+            default_model,
+            make_drafter(method, default_model, DraftBudget(2, 2, 4)),
+            EngineConfig(max_batch=20, max_len=256),
+        )
+        for i in range(20):
+            small.submit(Sequence(i, [1, 2, 3 + i], SamplingParams(max_tokens=2)))
+        small.run()

@@ -48,7 +48,7 @@ def run_engine(model, drafter, prompts, max_batch: int, max_tokens: int = 24):
 )
 def test_greedy_equals_plain_decoding(max_batch: int, budget: DraftBudget) -> None:
     model = make_tiny_model(2, vocab_size=16)
-    drafter = EagleDrafter(model, random_head(model), budget, max_sequences=max_batch, max_len=256)
+    drafter = EagleDrafter(model, random_head(model), budget, max_seqs=max_batch, max_len=256)
     engine, seqs = run_engine(model, drafter, PROMPTS, max_batch)
     while engine.has_work:
         engine.step()
@@ -79,7 +79,7 @@ def test_bf16_draft_weights_stay_lossless() -> None:
 
 def test_sampled_decoding_runs_with_the_deterministic_rule() -> None:
     model = make_tiny_model(3, vocab_size=16)
-    drafter = EagleDrafter(model, random_head(model), DraftBudget(3, 2, 6), max_sequences=2)
+    drafter = EagleDrafter(model, random_head(model), DraftBudget(3, 2, 6), max_seqs=2)
     engine = SpecEngine(model, drafter, EngineConfig(max_batch=2, max_len=128))
     seq = Sequence(0, PROMPTS[0], SamplingParams(temperature=0.8, max_tokens=20, seed=1))
     engine.submit(seq)
@@ -92,7 +92,7 @@ def test_sampled_decoding_runs_with_the_deterministic_rule() -> None:
 )
 def test_tree_respects_budget(budget: DraftBudget) -> None:
     model = make_tiny_model(1, vocab_size=32)
-    drafter = EagleDrafter(model, random_head(model, hot=20), budget, max_sequences=2)
+    drafter = EagleDrafter(model, random_head(model, hot=20), budget, max_seqs=2)
     hidden = [
         model(
             torch.tensor([p]), torch.arange(len(p))[None], model.new_cache(1, 64), torch.tensor([0])
@@ -132,7 +132,7 @@ def test_runtime_matches_unrolled_training_forward() -> None:
     with torch.no_grad():
         steps = trainer.unroll(tokens, hidden.clone(), num_steps=3)
     P = 6  # prompt length; the root (first token) is tokens[P]
-    drafter = EagleDrafter(model, head, DraftBudget(3, 2, 8), max_sequences=1, max_len=64)
+    drafter = EagleDrafter(model, head, DraftBudget(3, 2, 8), max_seqs=1, max_len=64)
     drafter.start(0, tokens[0, :P].tolist(), hidden[0, :P], int(tokens[0, P]))
     state = drafter._seqs[0]
     torch.testing.assert_close(state.root_state, steps[0][0, P - 1], atol=1e-4, rtol=1e-4)

@@ -193,7 +193,7 @@ def test_per_row_processing_equals_processing_each_row() -> None:
 
 def eagle_drafter(model, budget: DraftBudget, hot: int | None = 20, **kwargs) -> EagleDrafter:
     head = random_head(model, hot=hot)
-    return EagleDrafter(model, head, budget, max_sequences=4, max_len=128, **kwargs)
+    return EagleDrafter(model, head, budget, max_seqs=4, max_len=128, **kwargs)
 
 
 def start(drafter, model, params_by_seq: list[SamplingParams | None]) -> None:
