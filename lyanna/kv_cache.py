@@ -73,18 +73,11 @@ class KVCache:
         self,
         layer: int,
         slots: torch.Tensor,  # [B] int64
-        rows: torch.Tensor | slice,  # [B, q] int64 absolute row index per new token
+        rows: torch.Tensor,  # [B, q] int64 absolute row index per new token
         keys: torch.Tensor,  # [B, kv_heads, q, hd]
         values: torch.Tensor,  # [B, kv_heads, q, hd]
     ) -> None:
-        """Store the new tokens' keys and values (speculative until committed). ``rows`` may
-        be a slice when B = 1: one sequence's new rows are consecutive, and a slice copy
-        costs a fraction of an indexed put (two per layer of every forward)."""
-        if isinstance(rows, slice):
-            slot = int(slots[0])
-            self.keys[layer, slot, :, rows] = keys[0]
-            self.values[layer, slot, :, rows] = values[0]
-            return
+        """Store the new tokens' keys and values (speculative until committed)."""
         index = (slots[:, None], slice(None), rows)
         self.keys[layer][index] = keys.transpose(1, 2).to(self.keys.dtype)
         self.values[layer][index] = values.transpose(1, 2).to(self.values.dtype)

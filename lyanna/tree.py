@@ -84,7 +84,7 @@ class TokenTree:
         for d in depth:
             counts[d] += 1
         object.__setattr__(self, "depths", torch.tensor(depth, dtype=torch.int64))
-        log_joint = _log_joint(parent_list, self.draft_token_probs)
+        log_joint = log_joint_of(parent_list, self.draft_token_probs)
         object.__setattr__(self, "log_joint", torch.tensor(log_joint, dtype=torch.float64))
         object.__setattr__(self, "_ancestors", _ancestor_mask(paths))
         object.__setattr__(self, "_paths", tuple(paths))
@@ -234,7 +234,7 @@ class TokenTree:
         children are no longer i.i.d. or without-replacement samples: the result is TOPK."""
         if budget >= self.num_drafted:
             return self
-        keep = _best_nodes(self.parents.tolist(), self.log_joint.tolist(), budget)
+        keep = best_nodes(self.parents.tolist(), self.log_joint.tolist(), budget)
         scheme = self.scheme if self.is_chain else DraftScheme.TOPK
         return self._select(torch.tensor(keep, dtype=torch.int64), scheme)
 
@@ -273,7 +273,7 @@ class TokenTree:
         return DraftNodes.of(self).merge(DraftNodes.of(other)).to_tree()
 
 
-def _log_joint(
+def log_joint_of(
     parents: list[int],
     token_probs: torch.Tensor | None,  # [num_nodes]
 ) -> list[float]:
@@ -287,7 +287,7 @@ def _log_joint(
     return log_joint
 
 
-def _best_nodes(parents: list[int], log_joint: list[float], budget: int) -> list[int]:
+def best_nodes(parents: list[int], log_joint: list[float], budget: int) -> list[int]:
     """Ascending indices of the root and the `budget` draft nodes with the highest joint
     draft probability (ties: lower index first), kept only under a kept parent."""
     if budget < 0:

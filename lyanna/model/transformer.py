@@ -96,7 +96,7 @@ class Attention(nn.Module):
         xq = qk[:, :, :nh].transpose(1, 2)
         xk = qk[:, :, nh:].transpose(1, 2)
         xv = qkv[:, :, nh + nkv :].transpose(1, 2)
-        ctx.cache.write(layer, ctx.slots, getattr(ctx, "write_rows", ctx.rows), xk, xv)
+        ctx.cache.write(layer, ctx.slots, ctx.rows, xk, xv)
         keys, values = ctx.cache.read(layer, ctx.slots, ctx.kv_len)
         attention_dtype = getattr(ctx, "attention_dtype", None)  # drafters' contexts: None
         is_causal = getattr(ctx, "is_causal", False)
@@ -157,11 +157,6 @@ class ForwardContext:
         # a fresh prompt alone: causal attention over exactly its own rows, no mask to build
         self.is_causal = tree_mask is None and q > 1 and B == 1 and int(lengths[0]) == 0
         self.rows = lengths[:, None] + torch.arange(q)  # [B, q]
-        if B == 1:  # one sequence: its new rows are consecutive (a slice write, no index)
-            start = int(lengths[0])
-            self.write_rows: torch.Tensor | slice = slice(start, start + q)
-        else:
-            self.write_rows = self.rows
         self.kv_len = int(lengths.max()) + q
         self.cos = cos_table[positions].unsqueeze(1)  # [B, 1, q, hd]
         self.sin = sin_table[positions].unsqueeze(1)

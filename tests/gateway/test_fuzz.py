@@ -17,26 +17,19 @@ from gateway.app import create_app
 from gateway.backend import GenerationRequest, TokenDelta
 from gateway.config import GatewayConfig
 from tests.gateway.conftest import MODEL_NAME
+from tests.gateway.test_errors import RefusingBackend
 
 EXAMPLES = 60  # per route and mode
 ROUTES = ("/v1/chat/completions", "/v1/completions")
 
 
-class FewTokensBackend:
+class FewTokensBackend(RefusingBackend):
     """Every request gets up to three tokens, then ``length``."""
 
-    max_context = 2048
-    default_method = "ar"
     methods = ("ar", "ngram")
 
-    async def start(self) -> None:
-        return None
-
-    async def stop(self) -> None:
-        return None
-
-    async def health(self) -> dict[str, str]:
-        return {"engine": "ok"}
+    def __init__(self) -> None:
+        super().__init__(RuntimeError("unused"))
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         count = max(1, min(request.params.max_tokens, 3))

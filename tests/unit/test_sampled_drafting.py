@@ -24,7 +24,7 @@ from lyanna.drafters.sps import SpsDrafter
 from lyanna.engine import EngineConfig, SpecEngine
 from lyanna.sampling import SamplingParams, logits_to_probs, sample_distinct
 from lyanna.sequence import Sequence
-from lyanna.tree import DraftScheme, _best_nodes, _log_joint
+from lyanna.tree import DraftScheme, best_nodes, log_joint_of
 from lyanna.tree_cost import VerifyCost
 from lyanna.verify import RULES
 from tests.conftest import make_tiny_model
@@ -53,7 +53,7 @@ def sampled_drafts(draft: ToyModel, k: int, expand: tuple[int, ...]) -> Iterator
     def level(tokens, parents, probs, gains, rows, to_expand, rest, prob):
         node_rows = [draft.probs(_prefixes(tokens, parents)[n]) for n in to_expand]
         choices = [list(_child_choices(r, k, DraftScheme.WITHOUT_REPLACEMENT)) for r in node_rows]
-        log_joint = _log_joint(parents, torch.tensor(probs, dtype=torch.float64))
+        log_joint = log_joint_of(parents, torch.tensor(probs, dtype=torch.float64))
         for combo in itertools.product(*choices):
             combo_prob = prob * math.prod(p for _, p in combo)
             if combo_prob == 0.0:
@@ -68,7 +68,7 @@ def sampled_drafts(draft: ToyModel, k: int, expand: tuple[int, ...]) -> Iterator
                     t.append(token), pa.append(node), q.append(float(row[token]))
                     g.append(math.exp(log_joint[node]) * top[j])
             if rest:
-                joint = _log_joint(pa, torch.tensor(q, dtype=torch.float64))
+                joint = log_joint_of(pa, torch.tensor(q, dtype=torch.float64))
                 chosen = sorted(newest, key=lambda i: (-joint[i], i))[: rest[0]]
                 yield from level(t, pa, q, g, r, chosen, rest[1:], combo_prob)
             else:
@@ -123,8 +123,8 @@ def test_control_pruning_sampled_nodes_by_their_own_draw_is_lossy(name: str) -> 
     target, draft = models(0)
 
     def by_own_draw(nodes: DraftNodes, width: int) -> DraftNodes:
-        log_joint = _log_joint(nodes.parents, torch.tensor(nodes.probs, dtype=torch.float64))
-        return nodes._keep(_best_nodes(nodes.parents, log_joint, width))
+        log_joint = log_joint_of(nodes.parents, torch.tensor(nodes.probs, dtype=torch.float64))
+        return nodes._keep(best_nodes(nodes.parents, log_joint, width))
 
     trees = ((by_own_draw(n, 3).to_tree(), p) for n, p in sampled_drafts(draft, K, EXPAND))
     assert check_trees(RULES[name], target, trees, LENGTH).max_error > 1e-3
