@@ -152,7 +152,9 @@ def forward_seconds(
 def verify_cost(model: Transformer) -> VerifyCost:
     """The target's forward cost by rows (``COST_ROWS``), measured once per machine, thread
     count, model shape and weight format, then read from the cache."""
-    weights = "q4" if runs_q4(model) else "dense"
+    weights = "dense"
+    if runs_q4(model):  # the native decoder's cost curve is its own
+        weights = "q4-native" if model.native is not None else "q4"
     device = model.embed_tokens.weight.device
     kind = f"verify_cost|{weights}|{model.dtype}|{device.type}"
 

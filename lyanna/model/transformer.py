@@ -195,6 +195,10 @@ class Transformer(nn.Module):
         # hidden state does not depend on how many tokens share its forward (measured bitwise)
         # and speculation reproduces greedy decoding exactly.
         self.attention_dtype: torch.dtype | None = None
+        # the native decoder's extension and its per-layer tensors (``use_native``); None =
+        # the eager layers below
+        self.native = None
+        self._native_layers: list[torch.Tensor] = []
         cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -223,6 +227,8 @@ class Transformer(nn.Module):
         slot's committed prefix (call ``cache.commit`` to keep some of them)."""
         if int(positions.max()) >= self.config.max_position_embeddings:
             raise ValueError("position exceeds the model's context length")
+        if self.native is not None:
+            return self._native_forward(tokens, positions, cache, slots, tree_mask)
         ctx = ForwardContext(
             cache, slots, positions, tree_mask, self.rope_cos, self.rope_sin, self.attention_dtype
         )
@@ -230,6 +236,55 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, i)
         return self.norm(x)
+
+    def use_native(self, extension) -> None:
+        """Run the decoder layers in one native call (``lyanna.model.native``); every
+        projection must be an ``Int4Linear``. Its attention is batch invariant in float32,
+        so the KV cache goes back to float32 (see ``attention_dtype``)."""
+        tensors: list[torch.Tensor] = []
+        for block in self.layers:
+            a, f = block.attention, block.feed_forward
+            for norm, linears in (
+                (block.attention_norm, (a.wqkv, a.wo)),
+                (block.ffn_norm, (f.w13, f.w2)),
+            ):
+                tensors.append(norm.weight.detach().float().contiguous())
+                for linear in linears:
+                    tensors += [linear.packed, linear.scales_and_zeros]
+        self.native, self._native_layers = extension, tensors
+        self.attention_dtype = None
+
+    def _native_forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        slots: torch.Tensor,
+        tree_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        B, q = tokens.shape
+        cache.check_room(slots, q)
+        if tree_mask is None:
+            tree_mask = torch.ones(q, q, dtype=torch.bool).tril_().expand(B, q, q)
+        x = self.embed_tokens(tokens).reshape(B * q, -1).contiguous()
+        c = self.config
+        x = self.native.decoder_layers(
+            x,
+            self._native_layers,
+            cache.keys,
+            cache.values,
+            slots.contiguous(),
+            cache.lengths[slots].contiguous(),
+            positions.contiguous(),
+            tree_mask.contiguous(),
+            self.rope_cos,
+            self.rope_sin,
+            c.num_heads,
+            c.num_kv_heads,
+            c.intermediate_size,
+            c.rms_norm_eps,
+        )
+        return self.norm(x.view(B, q, -1))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., vocab] float32

@@ -1,0 +1,69 @@
+"""The native decoder: the layers of a 4-bit model in one C++ call (``decoder.cpp``).
+
+Built on first use with torch's extension builder (a C++ compiler is needed; about a minute
+on two cores) into ``$LYANNA_CACHE/native/<key>``, where the key covers the source, torch's
+version and this CPU's instruction set, so a cache shared by different machines never loads
+a binary built for another CPU. When it cannot be built, ``load_decoder`` returns None and
+the model runs its eager path (``LYANNA_NATIVE=0`` forces that).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).with_name("decoder.cpp")
+log = logging.getLogger(__name__)
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_key() -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(torch.__version__.encode())
+    digest.update(_cpu_flags().encode())
+    return digest.hexdigest()[:16]
+
+
+def native_enabled() -> bool:
+    return os.environ.get("LYANNA_NATIVE", "1") != "0"
+
+
+@cache
+def load_decoder() -> ModuleType | None:
+    """The compiled extension, or None when disabled or unbuildable (logged once)."""
+    if not native_enabled():
+        return None
+    from torch.utils.cpp_extension import load
+
+    from lyanna.model.default import cache_root
+
+    key = build_key()
+    build_dir = cache_root() / "native" / key
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return load(
+            name=f"lyanna_decoder_{key}",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, headers or linker: run the eager path
+        log.warning("native decoder unavailable, using the eager path: %s", exc)
+        return None
