@@ -1,10 +1,11 @@
 """The native decoder: the layers of a 4-bit model in one C++ call (``decoder.cpp``).
 
 Built on first use with torch's extension builder (a C++ compiler is needed; about a minute
-on two cores) into ``$LYANNA_CACHE/native/<key>``, where the key covers the source, torch's
-version and this CPU's instruction set, so a cache shared by different machines never loads
-a binary built for another CPU. When it cannot be built, ``load_decoder`` returns None and
-the model runs its eager path (``LYANNA_NATIVE=0`` forces that).
+on two cores) into ``$LYANNA_NATIVE_DIR`` (default ``$LYANNA_CACHE/native``)/<key>, where the
+key covers the source, torch's version and this CPU's instruction set, so a cache shared by
+different machines never loads a binary built for another CPU. When it cannot be built,
+``load_decoder`` returns None and the model runs its eager path (``LYANNA_NATIVE=0`` forces
+that).
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ def load_decoder() -> ModuleType | None:
     from lyanna.model.default import cache_root
 
     key = build_key()
-    build_dir = cache_root() / "native" / key
-    build_dir.mkdir(parents=True, exist_ok=True)
+    build_dir = Path(os.environ.get("LYANNA_NATIVE_DIR", cache_root() / "native")) / key
     try:
+        build_dir.mkdir(parents=True, exist_ok=True)
         return load(
             name=f"lyanna_decoder_{key}",
             sources=[str(SOURCE)],
@@ -64,6 +65,6 @@ def load_decoder() -> ModuleType | None:
             build_directory=str(build_dir),
             verbose=False,
         )
-    except Exception as exc:  # no compiler, headers or linker: run the eager path
+    except Exception as exc:  # no compiler, headers, linker or writable directory
         log.warning("native decoder unavailable, using the eager path: %s", exc)
         return None
