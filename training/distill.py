@@ -288,9 +288,10 @@ class Manifest:
 
 
 def fast_attention(model: Transformer) -> None:
-    """float32 attention: serving keeps float64 attention so that a token's hidden state does
-    not depend on what shares its forward; training data does not need that, and float32
-    attention doubles generation throughput at batch 16 (measured, docs/benchmarks.md)."""
+    """float32 attention for the eager q4 layers: serving on them keeps float64 attention so
+    that a token's hidden state does not depend on what shares its forward; training data does
+    not need that, and float32 attention doubles generation throughput at batch 16 (measured,
+    docs/benchmarks.md). The native decoder is batch invariant in float32 already (no-op)."""
     model.attention_dtype = None
 
 
