@@ -26,6 +26,7 @@ from lyanna.drafters.heads import draft_weight_dtype, hot_lm_head
 from lyanna.drafters.scopes import LAYER_SCOPE
 from lyanna.kv_cache import KVCache
 from lyanna.model.cpu_kernels import prepack_linears
+from lyanna.model.native import use_native_layers
 from lyanna.model.transformer import ForwardContext, Transformer
 
 
@@ -57,6 +58,7 @@ class EagleDrafter(DynamicTreeDrafter):
         self.head = head.float().eval()
         dtype = draft_weight_dtype(target) if weight_dtype == "auto" else weight_dtype
         prepack_linears(self.head, dtype)
+        use_native_layers(self.head)  # the layer in one native call when it builds
         self.embedding = target.embed_tokens  # shared, frozen
         self.hot_vocab = self.head.hot_vocab  # [num_hot] int64
         self.lm_head = hot_lm_head(target.embed_tokens.weight, self.hot_vocab, dtype)

@@ -29,6 +29,7 @@ from lyanna.drafters.scopes import LAYER_SCOPE, LM_HEAD_SCOPE
 from lyanna.drafters.token_info_tree import build_subtrees, resample_subtree
 from lyanna.kv_cache import KVCache
 from lyanna.model.cpu_kernels import prepack_linears
+from lyanna.model.native import use_native_layers
 from lyanna.model.transformer import ForwardContext, Transformer
 from lyanna.tree import TokenTree
 
@@ -74,6 +75,7 @@ class LyannaDrafter(SampledDrafting):
         self.draft = draft.eval()
         dtype = draft_weight_dtype(target) if weight_dtype == "auto" else weight_dtype
         prepack_linears(draft, dtype)  # fc and the layer, once, in place: inference only
+        use_native_layers(draft)  # the layer in one native call when it builds
         self.lm_head = hot_lm_head(draft.embedding, draft.hot_ids, dtype)  # not per step
         self.budget = budget or DraftBudget()
         self._init_sampling(sample_drafts)  # and the gain calibrations

@@ -30,6 +30,7 @@ from lyanna.drafters.heads import draft_weight_dtype, hot_lm_head
 from lyanna.drafters.scopes import LAYER_SCOPE
 from lyanna.kv_cache import KVCache
 from lyanna.model.cpu_kernels import prepack_linears
+from lyanna.model.native import use_native_layers
 from lyanna.model.transformer import ForwardContext, Transformer, rope_tables
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "sps-smollm2-135m"
@@ -104,6 +105,7 @@ class SpsDrafter(DynamicTreeDrafter):
         self.student = student
         # once, in place: the student serves inference only
         prepack_linears(student.layers, weight_dtype)
+        use_native_layers(student.layers)  # in native calls when the extension builds
         self.budget = budget or DraftBudget()
         self._init_sampling(sample_drafts)
         self.hot_vocab = hot_vocab

@@ -126,14 +126,110 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        self.config = config
         self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.feed_forward = FeedForward(config)
+        self.native = None  # the native decoder and this layer's tensors (``use_native``)
+        self._native_tensors: list[torch.Tensor] = []
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
+        if self.native is not None and isinstance(getattr(ctx, "cache", None), KVCache):
+            return self._native_forward(x, ctx, layer)
         x = x + self.attention(self.attention_norm(x), ctx, layer)
         return x + self.feed_forward(self.ffn_norm(x))
+
+    def use_native(self, extension) -> bool:
+        """Run this layer in the native decoder when its projections are prepacked or 4-bit
+        (a drafter's layer; see ``Transformer.use_native`` for a whole model)."""
+        tensors = native_layer_tensors(self)
+        if extension is None or tensors is None:
+            return False
+        self.native, self._native_tensors = extension, tensors
+        return True
+
+    def _native_forward(self, x: torch.Tensor, ctx, layer: int) -> torch.Tensor:
+        """``ctx`` is a ``ForwardContext`` (committed lengths and a mask over the new rows) or
+        a drafter's tree context (explicit rows and a mask over the whole cache)."""
+        B, q, d = x.shape
+        lengths = getattr(ctx, "lengths", None)
+        if lengths is not None:
+            mask = ctx.tree_mask
+            if mask is None:
+                mask = torch.ones(q, q, dtype=torch.bool).tril_().expand(B, q, q)
+        else:
+            lengths = torch.zeros(B, dtype=torch.int64)
+            mask = ctx.mask[:, 0]
+        out = run_native(
+            self.native,
+            x.reshape(B * q, d).to(torch.float32, copy=True),  # updated in place
+            self._native_tensors,
+            ctx.cache,
+            range(layer, layer + 1),
+            ctx.slots,
+            lengths,
+            mask,
+            ctx.rows,
+            ctx.cos.reshape(B * q, -1),
+            ctx.sin.reshape(B * q, -1),
+            self.config,
+        )
+        return out.view(B, q, d).to(x.dtype)
+
+
+def native_layer_tensors(block: Block) -> list[torch.Tensor] | None:
+    """The native decoder's view of one layer: norm weights, and per projection its int4 pack
+    and scales-and-zeros (``Int4Linear``) or its oneDNN-packed weight and an empty tensor
+    (``PackedLinear``); None when a projection is neither (a plain or trainable layer)."""
+    from lyanna.model.cpu_kernels import PackedLinear
+    from lyanna.model.quant import Int4Linear
+
+    empty = torch.empty(0)
+    tensors: list[torch.Tensor] = []
+    a, f = block.attention, block.feed_forward
+    for norm, linears in ((block.attention_norm, (a.wqkv, a.wo)), (block.ffn_norm, (f.w13, f.w2))):
+        tensors.append(norm.weight.detach().float().contiguous())
+        for linear in linears:
+            if isinstance(linear, Int4Linear):
+                tensors += [linear.packed, linear.scales_and_zeros]
+            elif isinstance(linear, PackedLinear):
+                tensors += [linear.packed, empty]
+            else:
+                return None
+    return tensors
+
+
+def run_native(
+    extension,
+    x: torch.Tensor,  # [B*q, d] float32 contiguous
+    tensors: list[torch.Tensor],
+    cache: KVCache,
+    layers: range,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    mask: torch.Tensor,
+    write_rows: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    config: ModelConfig,
+) -> torch.Tensor:
+    """One native call over ``layers`` of ``cache`` (see ``decoder.cpp`` for the arguments)."""
+    return extension.decoder_layers(
+        x,
+        tensors,
+        cache.keys[layers.start : layers.stop],
+        cache.values[layers.start : layers.stop],
+        slots.contiguous(),
+        lengths.contiguous(),
+        mask.contiguous(),
+        write_rows.contiguous(),
+        cos.float().contiguous(),
+        sin.float().contiguous(),
+        config.num_heads,
+        config.num_kv_heads,
+        config.rms_norm_eps,
+    )
 
 
 class ForwardContext:
@@ -153,6 +249,7 @@ class ForwardContext:
         cache.check_room(slots, q)
         lengths = cache.lengths[slots]  # [B]
         self.cache, self.slots = cache, slots
+        self.lengths, self.tree_mask = lengths, tree_mask  # for the native decoder
         self.attention_dtype = attention_dtype
         # a fresh prompt alone: causal attention over exactly its own rows, no mask to build
         self.is_causal = tree_mask is None and q > 1 and B == 1 and int(lengths[0]) == 0
@@ -239,18 +336,14 @@ class Transformer(nn.Module):
 
     def use_native(self, extension) -> None:
         """Run the decoder layers in one native call (``lyanna.model.native``); every
-        projection must be an ``Int4Linear``. Its attention is batch invariant in float32,
-        so the KV cache goes back to float32 (see ``attention_dtype``)."""
+        projection must be an ``Int4Linear`` or a ``PackedLinear``. Its attention is batch
+        invariant in float32, so the KV cache goes back to float32 (see ``attention_dtype``)."""
         tensors: list[torch.Tensor] = []
         for block in self.layers:
-            a, f = block.attention, block.feed_forward
-            for norm, linears in (
-                (block.attention_norm, (a.wqkv, a.wo)),
-                (block.ffn_norm, (f.w13, f.w2)),
-            ):
-                tensors.append(norm.weight.detach().float().contiguous())
-                for linear in linears:
-                    tensors += [linear.packed, linear.scales_and_zeros]
+            layer = native_layer_tensors(block)
+            if layer is None:
+                raise ValueError("the native decoder needs prepacked or 4-bit projections")
+            tensors += layer
         self.native, self._native_layers = extension, tensors
         self.attention_dtype = None
 
@@ -266,23 +359,20 @@ class Transformer(nn.Module):
         cache.check_room(slots, q)
         if tree_mask is None:
             tree_mask = torch.ones(q, q, dtype=torch.bool).tril_().expand(B, q, q)
-        x = self.embed_tokens(tokens).reshape(B * q, -1).contiguous()
-        c = self.config
-        x = self.native.decoder_layers(
-            x,
+        lengths = cache.lengths[slots]
+        x = run_native(
+            self.native,
+            self.embed_tokens(tokens).reshape(B * q, -1).float().contiguous(),
             self._native_layers,
-            cache.keys,
-            cache.values,
-            slots.contiguous(),
-            cache.lengths[slots].contiguous(),
-            positions.contiguous(),
-            tree_mask.contiguous(),
-            self.rope_cos,
-            self.rope_sin,
-            c.num_heads,
-            c.num_kv_heads,
-            c.intermediate_size,
-            c.rms_norm_eps,
+            cache,
+            range(0, len(self.layers)),
+            slots,
+            lengths,
+            tree_mask,
+            lengths[:, None] + torch.arange(q),
+            self.rope_cos[positions].reshape(B * q, -1),
+            self.rope_sin[positions].reshape(B * q, -1),
+            self.config,
         )
         return self.norm(x.view(B, q, -1))
 

@@ -12,10 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from lyanna.kv_cache import KVCache
 from lyanna.model import ModelConfig, Transformer, load_model
 from lyanna.model.native import load_decoder
 from lyanna.model.quant import Int4Linear, Q4Blocks
+from lyanna.model.transformer import rope_tables, run_native
 from lyanna.tree import pack_trees
+from tests.conftest import make_tiny_model
 from tests.unit.test_model_tree_attention import prefill, random_tree
 
 
@@ -135,14 +138,59 @@ def test_native_rejects_malformed_input(extension) -> None:
     model = native_twin(q4_model(32), extension)
     cache = model.new_cache(1, 8)
     slot = torch.tensor([cache.allocate()])
-    with pytest.raises(RuntimeError, match="tree_mask"):
+    with pytest.raises(RuntimeError, match="mask must be"):
         model(torch.tensor([[1, 2]]), torch.tensor([[0, 1]]), cache, slot, torch.ones(1, 2, 2))
-    with pytest.raises(RuntimeError, match="rotary"):
-        model.native.decoder_layers(
-            torch.zeros(1, 128), model._native_layers, cache.keys, cache.values, slot,
-            torch.tensor([0]), torch.tensor([[10**6]]), torch.ones(1, 1, 1, dtype=torch.bool),
-            model.rope_cos, model.rope_sin, 4, 2, 256, 1e-5,
+    cos = model.rope_cos[:1]
+    with pytest.raises(RuntimeError, match="write row out of the cache"):
+        run_native(
+            extension, torch.zeros(1, 128), model._native_layers, cache, range(0, 2), slot,
+            torch.tensor([0]), torch.ones(1, 1, 1, dtype=torch.bool), torch.tensor([[8]]),
+            cos, cos, model.config,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_native_drafter_layer_matches_eager(weight_dtype, extension) -> None:
+    """A drafter's layer (oneDNN-prepacked weights) in the native decoder, under both kinds of
+    context it meets: the engine's ``ForwardContext`` and a tree step's explicit rows and mask."""
+    from lyanna.drafters.dynamic_tree import TreeContext
+    from lyanna.model.cpu_kernels import prepack_linears
+    from lyanna.model.transformer import ForwardContext
+
+    eager, native = (make_tiny_model(3).layers[0] for _ in range(2))  # the same weights
+    config = make_tiny_model(3).config
+    for block in (eager, native):
+        prepack_linears(block, weight_dtype)
+    assert native.use_native(extension)
+    gen = torch.Generator().manual_seed(0)
+    cos, sin = rope_tables(config)
+    results = []
+    for block in (eager, native):
+        cache = KVCache(config, 2, 32)
+        slots = torch.tensor([cache.allocate(), cache.allocate()])
+        prefix = torch.randn(2, 6, config.hidden_size, generator=torch.Generator().manual_seed(1))
+        ctx = ForwardContext(cache, slots, torch.arange(6).expand(2, 6), None, cos, sin)
+        first = block(prefix, ctx, 0)
+        for s in slots.tolist():
+            cache.commit(s, torch.arange(6))
+        # a tree step: 3 nodes per sequence at rows 6..8, each seeing the prefix and itself
+        rows = torch.tensor([[6, 7, 8], [6, 7, 8]])
+        mask = torch.zeros(2, 1, 3, 9, dtype=torch.bool)
+        mask[..., :6] = True
+        mask[:, 0, [0, 1, 2], [6, 7, 8]] = True
+        mask[1, 0, 2, 6] = True  # node 2 of sequence 1 is node 0's child
+        positions = torch.tensor([[6, 6, 6], [6, 6, 7]])
+        tree = TreeContext(
+            cache, slots, rows, 9, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1), mask
+        )
+        x = torch.randn(2, 3, config.hidden_size, generator=gen)
+        before = x.clone()
+        results.append((first, block(x, tree, 0)))
+        assert torch.equal(x, before)  # the caller's input is left alone
+        gen = torch.Generator().manual_seed(0)
+    tolerance = 1e-4 if weight_dtype == torch.float32 else 3e-2
+    for e, n in zip(results[0], results[1], strict=True):
+        assert ((e - n).norm() / e.norm()).item() < tolerance
 
 
 def test_q4_gguf_loads_native_unless_disabled(tmp_path: Path, monkeypatch, extension) -> None:

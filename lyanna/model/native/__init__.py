@@ -68,3 +68,15 @@ def load_decoder() -> ModuleType | None:
     except Exception as exc:  # no compiler, headers, linker or writable directory
         log.warning("native decoder unavailable, using the eager path: %s", exc)
         return None
+
+
+def use_native_layers(module: torch.nn.Module) -> int:
+    """Run every decoder layer (``Block``) under ``module`` whose projections are prepacked or
+    4-bit in the native decoder (a drafter's layers, after ``prepack_linears``); returns how
+    many. Nothing changes when the extension is unavailable."""
+    from lyanna.model.transformer import Block
+
+    extension = load_decoder()
+    if extension is None:
+        return 0
+    return sum(b.use_native(extension) for b in module.modules() if isinstance(b, Block))

@@ -1,8 +1,9 @@
-// The decoder layers of a 4-bit Llama-family model in one call (CPU).
+// Llama-family decoder layers in one call (CPU): the target's 4-bit layers, and the drafters'.
 //
 // Why: a q4 decode step spent about half of its time in ~1,500 small eager ops around the
 // int4 products (casts, RMSNorm, RoPE, KV writes, float64 attention). Here the products stay
-// torch's int4 kernel and everything between them is a plain loop over rows.
+// torch's kernels (the int4 kernel, or oneDNN for a prepacked dense weight) and everything
+// between them is a plain loop over rows.
 //
 // Batch invariance (what makes speculation lossless on this path): every loop computes a row
 // from that row alone in a fixed order, and attention visits exactly the key rows a query may
@@ -12,6 +13,7 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
@@ -76,87 +78,134 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
-// RMSNorm of each row of x [n, d] times w, rounded to bf16 (the int4 kernel's input).
-void rms_norm_bf16(const float* x, const float* w, bf16* out, int64_t n, int64_t d, float eps) {
+// RMSNorm of each row of x [n, d] times w.
+void rms_norm(const float* x, const float* w, float* out, int64_t n, int64_t d, float eps) {
   for (int64_t r = 0; r < n; ++r) {
     const float* row = x + r * d;
     const float inv = 1.f / std::sqrt(dot(row, row, d) / static_cast<float>(d) + eps);
-    for (int64_t i = 0; i < d; ++i) out[r * d + i] = bf16(row[i] * inv * w[i]);
+    for (int64_t i = 0; i < d; ++i) out[r * d + i] = row[i] * inv * w[i];
   }
 }
 
-void add_bf16(float* x, const bf16* y, int64_t count) {
-  for (int64_t i = 0; i < count; ++i) x[i] += static_cast<float>(y[i]);
+void add(float* x, const std::vector<float>& y) {
+  for (size_t i = 0; i < y.size(); ++i) x[i] += y[i];
 }
 
-at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz) {
-  return at::_weight_int4pack_mm_for_cpu(x, packed, kGroup, sz);
+// oneDNN's product with a weight prepacked by torch.ops.mkldnn._reorder_linear_weight (what
+// lyanna.model.cpu_kernels.PackedLinear calls from Python).
+at::Tensor linear_pointwise(const at::Tensor& x, const at::Tensor& weight) {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x,
+                          weight,
+                          c10::IValue(),
+                          c10::IValue(std::string("none")),
+                          c10::IValue(c10::List<std::optional<at::Scalar>>()),
+                          c10::IValue(std::string(""))};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// One projection: y [M, N] = x [M, K] W^T. lin points at two tensors: torch's int4 pack and its
+// scales-and-zeros (inputs rounded to bf16, the kernel's fast path), or a oneDNN-prepacked
+// dense weight and an empty tensor (inputs in the weight's dtype).
+void product(const at::Tensor* lin, const float* x, int64_t M, int64_t K, std::vector<float>& y) {
+  const bool int4 = lin[1].numel() > 0;
+  const auto dtype = int4 ? at::kBFloat16 : lin[0].scalar_type();
+  at::Tensor input;
+  if (dtype == at::kFloat) {
+    input = at::from_blob(const_cast<float*>(x), {M, K}, at::TensorOptions().dtype(at::kFloat));
+  } else {
+    TORCH_CHECK(dtype == at::kBFloat16, "products run in float32 or bf16");
+    input = at::empty({M, K}, at::TensorOptions().dtype(at::kBFloat16));
+    bf16* in = input.data_ptr<bf16>();
+    for (int64_t i = 0; i < M * K; ++i) in[i] = bf16(x[i]);
+  }
+  at::Tensor out = int4 ? at::_weight_int4pack_mm_for_cpu(input, lin[0], kGroup, lin[1])
+                        : linear_pointwise(input, lin[0]);
+  out = out.contiguous();
+  y.resize(out.numel());
+  if (out.scalar_type() == at::kFloat) {
+    std::memcpy(y.data(), out.data_ptr<float>(), y.size() * sizeof(float));
+  } else {
+    const bf16* o = out.data_ptr<bf16>();
+    for (size_t i = 0; i < y.size(); ++i) y[i] = static_cast<float>(o[i]);
+  }
 }
 
 struct Shape {
-  int64_t B, q, d, nh, nkv, hd, inter, S, T;
+  int64_t B, q, nh, nkv, hd, S, T;
 };
 
-// RoPE on queries and keys (Hugging Face rotate-half layout, signed sin table); queries go to
-// `queries` [B*q, nh, hd], keys and values to the cache rows after each slot's prefix.
-void rope_and_store(const bf16* qkv, const Shape& s, const int64_t* positions,
-                    const int64_t* slots, const int64_t* lengths, const float* cos,
-                    const float* sin, float* queries, float* kc, float* vc) {
+// Where each new row (b, j) writes its key and value (write_rows[b, j]) and what it sees: the
+// first lengths[b] rows of its slot, then row lengths[b] + k wherever mask[b, j, k].
+struct Rows {
+  const int64_t* slots;       // [B]
+  const int64_t* lengths;     // [B]
+  const bool* mask;           // [B, q, width]
+  int64_t width;
+  const int64_t* write_rows;  // [B, q]
+  const float* cos;           // [B*q, hd] rotary tables at each row's position
+  const float* sin;           // (sin signed as in lyanna.model.transformer.rope_tables)
+};
+
+// RoPE on queries and keys (Hugging Face rotate-half layout); queries go to `queries`
+// [B*q, nh, hd], keys and values to the cache.
+void rope_and_store(const float* qkv, const Shape& s, const Rows& rows, float* queries,
+                    float* kc, float* vc) {
   const int64_t width = (s.nh + 2 * s.nkv) * s.hd, half = s.hd / 2;
-  std::vector<float> head(s.hd);
   for (int64_t b = 0; b < s.B; ++b)
     for (int64_t j = 0; j < s.q; ++j) {
-      const int64_t r = b * s.q + j, pos = positions[r], row = lengths[b] + j;
-      const float *c = cos + pos * s.hd, *sn = sin + pos * s.hd;
+      const int64_t r = b * s.q + j, row = rows.write_rows[r];
+      const float *c = rows.cos + r * s.hd, *sn = rows.sin + r * s.hd;
       for (int64_t h = 0; h < s.nh + 2 * s.nkv; ++h) {
-        const bf16* src = qkv + r * width + h * s.hd;
-        for (int64_t i = 0; i < s.hd; ++i) head[i] = static_cast<float>(src[i]);
+        const float* src = qkv + r * width + h * s.hd;
         float* dst;
         if (h < s.nh) {
           dst = queries + (r * s.nh + h) * s.hd;
         } else {
           const int64_t g = h < s.nh + s.nkv ? h - s.nh : h - s.nh - s.nkv;
           float* cache = h < s.nh + s.nkv ? kc : vc;
-          dst = cache + ((slots[b] * s.nkv + g) * s.T + row) * s.hd;
+          dst = cache + ((rows.slots[b] * s.nkv + g) * s.T + row) * s.hd;
         }
         if (h < s.nh + s.nkv) {
-          for (int64_t i = 0; i < half; ++i) dst[i] = head[i] * c[i] + head[i + half] * sn[i];
-          for (int64_t i = half; i < s.hd; ++i) dst[i] = head[i] * c[i] + head[i - half] * sn[i];
+          for (int64_t i = 0; i < half; ++i) dst[i] = src[i] * c[i] + src[i + half] * sn[i];
+          for (int64_t i = half; i < s.hd; ++i) dst[i] = src[i] * c[i] + src[i - half] * sn[i];
         } else {
-          for (int64_t i = 0; i < s.hd; ++i) dst[i] = head[i];
+          for (int64_t i = 0; i < s.hd; ++i) dst[i] = src[i];
         }
       }
     }
 }
 
-// Attention of every new row: the slot's committed rows, then the new rows its tree-mask row
-// allows, visited in ascending order; out [B*q, nh*hd] in bf16 (the next product's input).
+// Attention of every new row over exactly the rows it sees, in ascending order; out
+// [B*q, nh*hd].
 void attend(const float* queries, const float* kc, const float* vc, const Shape& s,
-            const int64_t* slots, const int64_t* lengths, const bool* tree_mask, bf16* out) {
+            const Rows& rows, float* out) {
   const int64_t group = s.nh / s.nkv;
   const float scale = 1.f / std::sqrt(static_cast<float>(s.hd));
   const int64_t tasks = s.B * s.q * s.nh;
   at::parallel_for(0, tasks, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<int64_t> tree_cols;
+    std::vector<int64_t> cols;
     v16 acc[kMaxHeadDim / kLanes];
     float tail[kLanes];
     const int64_t chunks = s.hd / kLanes, rest = s.hd % kLanes;
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t h = t % s.nh, r = t / s.nh, b = r / s.q, j = r % s.q;
-      const int64_t L = lengths[b];
-      tree_cols.clear();
-      const bool* allowed = tree_mask + (b * s.q + j) * s.q;
-      for (int64_t k = 0; k < s.q; ++k)
-        if (allowed[k]) tree_cols.push_back(L + k);
-      const int64_t g = h / group, count = L + static_cast<int64_t>(tree_cols.size());
-      const float* keys = kc + (slots[b] * s.nkv + g) * s.T * s.hd;
-      const float* values = vc + (slots[b] * s.nkv + g) * s.T * s.hd;
+      const int64_t h = t % s.nh, r = t / s.nh, b = r / s.q;
+      const int64_t L = rows.lengths[b];
+      cols.resize(L);
+      for (int64_t k = 0; k < L; ++k) cols[k] = k;
+      const bool* seen = rows.mask + r * rows.width;
+      for (int64_t k = 0; k < rows.width; ++k)
+        if (seen[k]) cols.push_back(L + k);
+      const int64_t count = static_cast<int64_t>(cols.size()), g = h / group;
+      const float* keys = kc + (rows.slots[b] * s.nkv + g) * s.T * s.hd;
+      const float* values = vc + (rows.slots[b] * s.nkv + g) * s.T * s.hd;
       const float* query = queries + (r * s.nh + h) * s.hd;
-      auto col = [&](int64_t k) { return k < L ? k : tree_cols[k - L]; };
       scores.resize(count);
-      for (int64_t k = 0; k < L; ++k) scores[k] = dot(query, keys + k * s.hd, s.hd) * scale;
-      for (int64_t k = L; k < count; ++k) scores[k] = dot(query, keys + col(k) * s.hd, s.hd) * scale;
+      for (int64_t k = 0; k < count; ++k)
+        scores[k] = dot(query, keys + cols[k] * s.hd, s.hd) * scale;
       float top = -std::numeric_limits<float>::infinity();
       for (int64_t k = 0; k < count; ++k) top = std::max(top, scores[k]);
       for (int64_t k = 0; k < count; ++k) scores[k] = fast_exp(scores[k] - top);
@@ -166,107 +215,116 @@ void attend(const float* queries, const float* kc, const float* vc, const Shape&
       std::fill(tail, tail + kLanes, 0.f);
       for (int64_t k = 0; k < count; ++k) {
         const v16 p = v16{0} + scores[k];
-        const float* v = values + col(k) * s.hd;
+        const float* v = values + cols[k] * s.hd;
         for (int64_t c = 0; c < chunks; ++c) acc[c] += p * load16(v + c * kLanes);
         for (int64_t i = 0; i < rest; ++i) tail[i] += scores[k] * v[chunks * kLanes + i];
       }
-      bf16* dst = out + (r * s.nh + h) * s.hd;
+      float* dst = out + (r * s.nh + h) * s.hd;
       const float inv = count ? 1.f / total : 0.f;
       for (int64_t c = 0; c < chunks; ++c)
-        for (int64_t i = 0; i < kLanes; ++i) dst[c * kLanes + i] = bf16(acc[c][i] * inv);
-      for (int64_t i = 0; i < rest; ++i) dst[chunks * kLanes + i] = bf16(tail[i] * inv);
+        for (int64_t i = 0; i < kLanes; ++i) dst[c * kLanes + i] = acc[c][i] * inv;
+      for (int64_t i = 0; i < rest; ++i) dst[chunks * kLanes + i] = tail[i] * inv;
     }
   });
 }
 
-// silu(gate) * up from the fused gate/up product [n, 2*inter], rounded to bf16.
-void swiglu_bf16(const bf16* gu, bf16* out, int64_t n, int64_t inter) {
+// silu(gate) * up from the fused gate/up product [n, 2*inter].
+void swiglu(const std::vector<float>& gu, std::vector<float>& out, int64_t n, int64_t inter) {
+  out.resize(n * inter);
   for (int64_t r = 0; r < n; ++r)
     for (int64_t i = 0; i < inter; ++i) {
-      const float g = static_cast<float>(gu[r * 2 * inter + i]);
-      const float u = static_cast<float>(gu[r * 2 * inter + inter + i]);
-      out[r * inter + i] = bf16(g / (1.f + fast_exp(-g)) * u);
+      const float g = gu[r * 2 * inter + i], u = gu[r * 2 * inter + inter + i];
+      out[r * inter + i] = g / (1.f + fast_exp(-g)) * u;
     }
+}
+
+void check_int64(const at::Tensor& t, int64_t numel, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous() && t.numel() == numel, name,
+              " must be a contiguous int64 tensor of ", numel, " elements");
 }
 
 }  // namespace
 
-// x [B*q, d] float32 (the embeddings; updated in place and returned: the residual stream
-// after the last layer, before the final norm). layers: per layer, in this order, the
-// attention-norm weight, the q/k/v int4 weight and its scales-and-zeros, the output
-// projection's pair, the ffn-norm weight, the gate/up pair and the down pair (10 tensors).
-// keys/values: the KV cache [L, S, nkv, T, hd] float32, written at each slot's rows
-// lengths[b] .. lengths[b] + q - 1. tree_mask [B, q, q] bool: which new rows a new row sees.
+constexpr int64_t kPerLayer = 10;  // 2 norm weights + 4 projections x 2 tensors
+
+// x [B*q, d] float32 (the layers' input; updated in place and returned: the residual stream
+// after the last layer, before any final norm). layers: per layer, in this order, the
+// attention-norm weight, the q/k/v projection, the output projection, the ffn-norm weight,
+// the gate/up projection and the down projection (2 tensors each, see ``product``).
+// keys/values: the KV cache [L, S, nkv, T, hd] float32 of exactly these layers. slots [B],
+// lengths [B], mask [B, q, width] bool, write_rows [B, q]: see ``Rows``; cos/sin [B*q, hd].
 at::Tensor decoder_layers(at::Tensor x, const std::vector<at::Tensor>& layers, at::Tensor keys,
                           at::Tensor values, at::Tensor slots, at::Tensor lengths,
-                          at::Tensor positions, at::Tensor tree_mask, at::Tensor cos,
-                          at::Tensor sin, int64_t num_heads, int64_t num_kv_heads,
-                          int64_t intermediate, double eps) {
+                          at::Tensor mask, at::Tensor write_rows, at::Tensor cos,
+                          at::Tensor sin, int64_t num_heads, int64_t num_kv_heads, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [rows, hidden] tensor");
   TORCH_CHECK(keys.dim() == 5 && keys.scalar_type() == at::kFloat && keys.is_contiguous() &&
                   values.sizes() == keys.sizes() && values.scalar_type() == at::kFloat &&
                   values.is_contiguous(),
               "the KV cache must be two contiguous float32 [L, S, kv_heads, T, hd] tensors");
-  TORCH_CHECK(static_cast<int64_t>(layers.size()) == 10 * keys.size(0),
-              "expected 10 tensors per layer");
-  TORCH_CHECK(tree_mask.dim() == 3 && tree_mask.scalar_type() == at::kBool &&
-                  tree_mask.is_contiguous(),
-              "tree_mask must be a contiguous bool [B, q, q] tensor");
-  for (const auto* t : {&slots, &lengths, &positions})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "indices must be int64");
+  TORCH_CHECK(static_cast<int64_t>(layers.size()) == kPerLayer * keys.size(0),
+              "expected 10 tensors per layer of the cache");
+  TORCH_CHECK(mask.dim() == 3 && mask.scalar_type() == at::kBool && mask.is_contiguous(),
+              "mask must be a contiguous bool [B, q, width] tensor");
   Shape s{};
-  s.B = tree_mask.size(0);
-  s.q = tree_mask.size(1);
-  s.d = x.size(1);
+  s.B = mask.size(0);
+  s.q = mask.size(1);
   s.nh = num_heads;
   s.nkv = num_kv_heads;
   s.hd = keys.size(4);
-  s.inter = intermediate;
   s.S = keys.size(1);
   s.T = keys.size(3);
-  TORCH_CHECK(x.size(0) == s.B * s.q && positions.numel() == s.B * s.q &&
-                  slots.numel() == s.B && lengths.numel() == s.B,
-              "rows, positions, slots and lengths disagree with tree_mask [B, q, q]");
+  const int64_t n = s.B * s.q, d = x.size(1);
+  TORCH_CHECK(x.size(0) == n, "x has ", x.size(0), " rows, mask says ", n);
   TORCH_CHECK(s.nh % s.nkv == 0 && keys.size(2) == s.nkv, "bad head counts");
   TORCH_CHECK(s.hd <= kMaxHeadDim, "head_dim must be at most 256");
-  const int64_t n = s.B * s.q;
-  const int64_t* sl = slots.data_ptr<int64_t>();
-  const int64_t* len = lengths.data_ptr<int64_t>();
-  for (int64_t b = 0; b < s.B; ++b)
-    TORCH_CHECK(sl[b] >= 0 && sl[b] < s.S && len[b] >= 0 && len[b] + s.q <= s.T,
-                "slot or rows out of the cache");
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  for (int64_t r = 0; r < n; ++r)
-    TORCH_CHECK(pos[r] >= 0 && pos[r] < cos.size(0), "position outside the rotary table");
+  check_int64(slots, s.B, "slots");
+  check_int64(lengths, s.B, "lengths");
+  check_int64(write_rows, n, "write_rows");
+  for (const auto* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                    t->size(0) == n && t->size(1) == s.hd,
+                "the rotary tables must be contiguous float32 [B*q, head_dim]");
+  Rows rows{slots.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), mask.data_ptr<bool>(),
+            mask.size(2), write_rows.data_ptr<int64_t>(), cos.data_ptr<float>(),
+            sin.data_ptr<float>()};
+  for (int64_t b = 0; b < s.B; ++b) {
+    TORCH_CHECK(rows.slots[b] >= 0 && rows.slots[b] < s.S, "slot out of the cache");
+    TORCH_CHECK(rows.lengths[b] >= 0 && rows.lengths[b] + rows.width <= s.T,
+                "visible rows out of the cache");
+    for (int64_t j = 0; j < s.q; ++j) {
+      const int64_t row = rows.write_rows[b * s.q + j];
+      TORCH_CHECK(row >= 0 && row < s.T, "write row out of the cache");
+    }
+  }
 
-  auto bf = x.options().dtype(at::kBFloat16);
-  at::Tensor h = at::empty({n, s.d}, bf);
-  at::Tensor queries = at::empty({n, s.nh, s.hd}, x.options());
-  at::Tensor attn = at::empty({n, s.nh * s.hd}, bf);
-  at::Tensor act = at::empty({n, s.inter}, bf);
+  const int64_t inner = s.nh * s.hd;
+  std::vector<float> h(n * d), qkv, queries(n * inner), attn(n * inner), out, gu, act;
   float* xs = x.data_ptr<float>();
   const int64_t layer_numel = s.S * s.nkv * s.T * s.hd;
   for (int64_t l = 0; l < keys.size(0); ++l) {
-    const at::Tensor* w = layers.data() + 10 * l;
-    rms_norm_bf16(xs, w[0].data_ptr<float>(), h.data_ptr<bf16>(), n, s.d, eps);
-    at::Tensor qkv = int4_mm(h, w[1], w[2]);
-    rope_and_store(qkv.data_ptr<bf16>(), s, pos, sl, len, cos.data_ptr<float>(),
-                   sin.data_ptr<float>(), queries.data_ptr<float>(),
-                   keys.data_ptr<float>() + l * layer_numel,
-                   values.data_ptr<float>() + l * layer_numel);
-    attend(queries.data_ptr<float>(), keys.data_ptr<float>() + l * layer_numel,
-           values.data_ptr<float>() + l * layer_numel, s, sl, len,
-           tree_mask.data_ptr<bool>(), attn.data_ptr<bf16>());
-    add_bf16(xs, int4_mm(attn, w[3], w[4]).data_ptr<bf16>(), n * s.d);
-    rms_norm_bf16(xs, w[5].data_ptr<float>(), h.data_ptr<bf16>(), n, s.d, eps);
-    at::Tensor gu = int4_mm(h, w[6], w[7]);
-    swiglu_bf16(gu.data_ptr<bf16>(), act.data_ptr<bf16>(), n, s.inter);
-    add_bf16(xs, int4_mm(act, w[8], w[9]).data_ptr<bf16>(), n * s.d);
+    const at::Tensor* w = layers.data() + kPerLayer * l;
+    float* kc = keys.data_ptr<float>() + l * layer_numel;
+    float* vc = values.data_ptr<float>() + l * layer_numel;
+    rms_norm(xs, w[0].data_ptr<float>(), h.data(), n, d, eps);
+    product(w + 1, h.data(), n, d, qkv);
+    TORCH_CHECK(static_cast<int64_t>(qkv.size()) == n * (s.nh + 2 * s.nkv) * s.hd,
+                "the q/k/v projection does not match the head counts");
+    rope_and_store(qkv.data(), s, rows, queries.data(), kc, vc);
+    attend(queries.data(), kc, vc, s, rows, attn.data());
+    product(w + 3, attn.data(), n, inner, out);
+    add(xs, out);
+    rms_norm(xs, w[5].data_ptr<float>(), h.data(), n, d, eps);
+    product(w + 6, h.data(), n, d, gu);
+    const int64_t inter = static_cast<int64_t>(gu.size()) / (2 * n);
+    swiglu(gu, act, n, inter);
+    product(w + 8, act.data(), n, inter, out);
+    add(xs, out);
   }
   return x;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decoder_layers", &decoder_layers, "the decoder layers of a 4-bit model (CPU)");
+  m.def("decoder_layers", &decoder_layers, "Llama-family decoder layers (CPU)");
 }
