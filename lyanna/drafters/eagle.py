@@ -22,11 +22,10 @@ from torch.profiler import record_function
 from lyanna.drafters.base import DraftBudget, VerifiedStep
 from lyanna.drafters.dynamic_tree import DynamicTreeDrafter, TreeContext
 from lyanna.drafters.eagle_head import DEFAULT_CHECKPOINT, EagleHead, load_eagle_head
-from lyanna.drafters.heads import draft_weight_dtype, hot_lm_head
+from lyanna.drafters.heads import draft_weight_dtype, hot_lm_head, prepare_draft_layers
 from lyanna.drafters.scopes import LAYER_SCOPE
 from lyanna.kv_cache import KVCache
-from lyanna.model.cpu_kernels import prepack_linears
-from lyanna.model.native import use_native_layers
+from lyanna.model.quant import runs_q4
 from lyanna.model.transformer import ForwardContext, Transformer
 
 
@@ -57,8 +56,7 @@ class EagleDrafter(DynamicTreeDrafter):
         head = head if head is not None else load_eagle_head(DEFAULT_CHECKPOINT)
         self.head = head.float().eval()
         dtype = draft_weight_dtype(target) if weight_dtype == "auto" else weight_dtype
-        prepack_linears(self.head, dtype)
-        use_native_layers(self.head)  # the layer in one native call when it builds
+        prepare_draft_layers(self.head, dtype, q4_layers=runs_q4(target))
         self.embedding = target.embed_tokens  # shared, frozen
         self.hot_vocab = self.head.hot_vocab  # [num_hot] int64
         self.lm_head = hot_lm_head(target.embed_tokens.weight, self.hot_vocab, dtype)

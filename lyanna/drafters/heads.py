@@ -11,8 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lyanna.model.cpu_kernels import PackedLinear, prepacking_available
-from lyanna.model.quant import runs_q4
+from lyanna.model.cpu_kernels import PackedLinear, prepack_linears, prepacking_available
+from lyanna.model.native import load_decoder, use_native_layers
+from lyanna.model.quant import GROUP, Int4Linear, int4_kernel_available, quantize_q4_1, runs_q4
+from lyanna.model.transformer import Block
 
 
 class Linear(nn.Module):
@@ -42,6 +44,22 @@ def draft_weight_dtype(target: nn.Module) -> torch.dtype | None:
     weights (one layer and an 8k-row head: about 33 MB in fp32 per depth), so half the bytes
     is nearly half the time; drafting stays lossless whatever the drafter computes."""
     return torch.bfloat16 if runs_q4(target) else None
+
+
+def prepare_draft_layers(module: nn.Module, dtype: torch.dtype | None, q4_layers: bool) -> None:
+    """Ready a drafter's weights for serving, once and in place (inference only): with
+    ``q4_layers`` (next to a 4-bit target) and the native decoder at hand, its decoder
+    layers' projections become 4-bit too (``quantize_q4_1``; measured in docs/benchmarks.md:
+    the same acceptance as bf16 layers, faster steps); every other linear is prepacked in
+    ``dtype``; the layers then run in the native decoder when it builds."""
+    if q4_layers and int4_kernel_available() and load_decoder() is not None:
+        for block in (m for m in module.modules() if isinstance(m, Block)):
+            for parent in (block.attention, block.feed_forward):
+                for name, child in list(parent.named_children()):
+                    if isinstance(child, nn.Linear) and child.in_features % GROUP == 0:
+                        setattr(parent, name, Int4Linear(quantize_q4_1(child.weight)))
+    prepack_linears(module, dtype)
+    use_native_layers(module)
 
 
 FULL_VOCAB_CHUNK = 512  # rows per full-vocabulary product (bounded memory in evaluation)

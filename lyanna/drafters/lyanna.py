@@ -22,14 +22,13 @@ from torch.profiler import record_function
 from lyanna.draft_nodes import DraftNodes
 from lyanna.drafters.base import DraftBudget, VerifiedStep
 from lyanna.drafters.checkpoint import read_checkpoint
-from lyanna.drafters.heads import draft_weight_dtype, hot_lm_head
+from lyanna.drafters.heads import draft_weight_dtype, hot_lm_head, prepare_draft_layers
 from lyanna.drafters.lyanna_model import LyannaDraftConfig, LyannaDraftModel
 from lyanna.drafters.sampled import DraftSampling, SampledDrafting
 from lyanna.drafters.scopes import LAYER_SCOPE, LM_HEAD_SCOPE
 from lyanna.drafters.token_info_tree import build_subtrees, resample_subtree
 from lyanna.kv_cache import KVCache
-from lyanna.model.cpu_kernels import prepack_linears
-from lyanna.model.native import use_native_layers
+from lyanna.model.quant import runs_q4
 from lyanna.model.transformer import ForwardContext, Transformer
 from lyanna.tree import TokenTree
 
@@ -74,8 +73,9 @@ class LyannaDrafter(SampledDrafting):
     ) -> None:
         self.draft = draft.eval()
         dtype = draft_weight_dtype(target) if weight_dtype == "auto" else weight_dtype
-        prepack_linears(draft, dtype)  # fc and the layer, once, in place: inference only
-        use_native_layers(draft)  # the layer in one native call when it builds
+        prepare_draft_layers(
+            draft, dtype, q4_layers=runs_q4(target)
+        )  # once, in place: inference only
         self.lm_head = hot_lm_head(draft.embedding, draft.hot_ids, dtype)  # not per step
         self.budget = budget or DraftBudget()
         self._init_sampling(sample_drafts)  # and the gain calibrations

@@ -26,11 +26,10 @@ from torch.profiler import record_function
 from lyanna.drafters.base import DraftBudget, VerifiedStep
 from lyanna.drafters.checkpoint import read_checkpoint
 from lyanna.drafters.dynamic_tree import DynamicTreeDrafter, TreeContext
-from lyanna.drafters.heads import draft_weight_dtype, hot_lm_head
+from lyanna.drafters.heads import draft_weight_dtype, hot_lm_head, prepare_draft_layers
 from lyanna.drafters.scopes import LAYER_SCOPE
 from lyanna.kv_cache import KVCache
-from lyanna.model.cpu_kernels import prepack_linears
-from lyanna.model.native import use_native_layers
+from lyanna.model.quant import runs_q4
 from lyanna.model.transformer import ForwardContext, Transformer, rope_tables
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "sps-smollm2-135m"
@@ -101,11 +100,11 @@ class SpsDrafter(DynamicTreeDrafter):
         max_len: int = 4096,
         sample_drafts: bool = True,  # at T > 0: children drawn without replacement
         weight_dtype: torch.dtype | None = None,  # e.g. bf16 (see heads.draft_weight_dtype)
+        q4_layers: bool = False,  # 4-bit layers (next to a 4-bit target)
     ) -> None:
         self.student = student
         # once, in place: the student serves inference only
-        prepack_linears(student.layers, weight_dtype)
-        use_native_layers(student.layers)  # in native calls when the extension builds
+        prepare_draft_layers(student.layers, weight_dtype, q4_layers)
         self.budget = budget or DraftBudget()
         self._init_sampling(sample_drafts)
         self.hot_vocab = hot_vocab
@@ -121,6 +120,7 @@ class SpsDrafter(DynamicTreeDrafter):
     ) -> SpsDrafter:
         student, hot_vocab = load_sps_student(target, path)
         kwargs.setdefault("weight_dtype", draft_weight_dtype(target))
+        kwargs.setdefault("q4_layers", runs_q4(target))
         return cls(student, hot_vocab, **kwargs)
 
     # -- Drafter protocol --------------------------------------------------------------

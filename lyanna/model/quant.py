@@ -82,6 +82,20 @@ def parse_q4_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> Q4Blo
     )
 
 
+def quantize_q4_1(weight: torch.Tensor) -> Q4Blocks:
+    """Round-to-nearest Q4_1 of a float [out, in] weight (in a multiple of 32), as llama.cpp
+    quantizes: per 32-block the minimum m and step d = (max - m) / 15, codes round((w - m) / d).
+    Each weight moves by at most d / 2. For weights the file did not quantize (a drafter's)."""
+    out_features, in_features = weight.shape
+    if in_features % GROUP:
+        raise ValueError(f"input dimension {in_features} is not a multiple of {GROUP}")
+    blocks = weight.detach().float().reshape(out_features, in_features // GROUP, GROUP)
+    low, high = blocks.amin(-1), blocks.amax(-1)
+    step = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    codes = ((blocks - low[..., None]) / step[..., None]).round().clamp(0, 15)
+    return Q4Blocks(codes.to(torch.uint8).reshape(out_features, in_features), step, low)
+
+
 def int4_kernel_available() -> bool:
     ops = torch.ops.aten
     return hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(

@@ -175,3 +175,48 @@ def test_drafters_compute_in_bf16_next_to_a_q4_target(tmp_path: Path) -> None:
     got, expected = head(x), x @ embedding[hot].T
     assert got.dtype == torch.float32  # the caller's dtype: only the product runs in bf16
     assert (got - expected).norm() / expected.norm() < 1e-2
+
+
+def test_quantize_q4_1_moves_each_weight_by_at_most_half_a_step() -> None:
+    from lyanna.model.quant import quantize_q4_1
+
+    weight = torch.randn(48, 96, generator=torch.Generator().manual_seed(4))
+    blocks = quantize_q4_1(weight)
+    assert blocks.codes.max() <= 15 and blocks.codes.dtype == torch.uint8
+    error = (blocks.dequantize() - weight).abs()
+    half_step = blocks.scale.repeat_interleave(GROUP, dim=1) / 2
+    assert bool((error <= half_step * (1 + 1e-5)).all())
+    assert error.max() > 0  # a real rounding, not a copy
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_q4_1(torch.randn(4, 40))
+
+
+def test_draft_layers_go_4bit_and_native_next_to_a_q4_target() -> None:
+    from lyanna.drafters.heads import prepare_draft_layers
+    from lyanna.model.cpu_kernels import PackedLinear
+    from lyanna.model.native import load_decoder
+    from lyanna.model.quant import quantize_q4_1
+
+    assert load_decoder() is not None
+    for q4_layers, kind in ((True, Int4Linear), (False, PackedLinear)):
+        model = make_tiny_model(5)
+        reference = make_tiny_model(5)  # fp32, eager; its projections hold what the 4-bit
+        if q4_layers:  # codes mean, so only the kernels' bf16 rounding separates the two
+            with torch.no_grad():
+                for b in reference.layers:
+                    a, f = b.attention, b.feed_forward
+                    for lin in (a.wqkv, a.wo, f.w13, f.w2):
+                        lin.weight.copy_(quantize_q4_1(lin.weight).dequantize())
+        prepare_draft_layers(model, torch.bfloat16, q4_layers)
+        block = model.layers[0]
+        assert isinstance(block.attention.wqkv, kind) and isinstance(block.feed_forward.w2, kind)
+        assert block.native is not None  # the layers run in the native decoder
+        assert isinstance(model.lm_head, PackedLinear)  # not a decoder layer: prepacked
+        ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(0))
+        logits = []
+        for m in (reference, model):
+            cache = m.new_cache(1, 16)
+            slot = torch.tensor([cache.allocate()])
+            logits.append(m.logits(m(ids, torch.arange(9)[None], cache, slot)))
+        rel = (logits[0] - logits[1]).norm() / logits[0].norm()
+        assert rel < 0.02, rel
