@@ -192,7 +192,8 @@ void attend(const float* queries, const float* kc, const float* vc, const Shape&
     float tail[kLanes];
     const int64_t chunks = s.hd / kLanes, rest = s.hd % kLanes;
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t h = t % s.nh, r = t / s.nh, b = r / s.q;
+      // consecutive tasks share a head, so its keys and values stay in this core's cache
+      const int64_t rows_total = s.B * s.q, h = t / rows_total, r = t % rows_total, b = r / s.q;
       const int64_t L = rows.lengths[b];
       cols.resize(L);
       for (int64_t k = 0; k < L; ++k) cols[k] = k;
