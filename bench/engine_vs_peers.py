@@ -157,7 +157,8 @@ def main() -> None:
     rows, costs, floors = [], {}, []
     for weights in ("fp32", "q4"):
         model = load_model(model_dir, weights=weights)
-        rows.append(lean(model, prompts, args.max_tokens, eos).row(f"lyanna AR ({weights})"))
+        label = f"{weights}, native decoder" if model.native is not None else weights
+        rows.append(lean(model, prompts, args.max_tokens, eos).row(f"lyanna AR ({label})"))
         costs[weights] = forward_table(model, NEW_TOKENS)
         nbytes = weight_bytes(model)
         floors.append([weights, nbytes / 1e6, 1e3 * nbytes / rate, 1e3 * costs[weights][1]])
