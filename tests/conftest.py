@@ -21,6 +21,13 @@ def make_tiny_model(seed: int = 0, vocab_size: int = 64, prepack: bool = False) 
     return model
 
 
+def prompt_logits(model: Transformer, ids: torch.Tensor) -> torch.Tensor:  # [len, vocab]
+    """Logits of every position of one prompt ``ids`` [1, len], run on a fresh cache."""
+    cache = model.new_cache(1, ids.shape[1] + 1)
+    slot = torch.tensor([cache.allocate()])
+    return model.logits(model(ids, torch.arange(ids.shape[1])[None], cache, slot))[0]
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> Transformer:
     return make_tiny_model()

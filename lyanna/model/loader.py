@@ -243,14 +243,8 @@ def _use_q4(model: Transformer, q4: dict[str, Q4Blocks]) -> None:
                 setattr(parent, attr, Int4Linear(Q4Blocks.cat([q4[n] for n in names])))
     model.lm_head = PackedLinear(model.lm_head.weight, torch.bfloat16)  # see quant
     model.attention_dtype = torch.float64  # see Transformer.attention_dtype
-    every_layer_q4 = all(
-        isinstance(linear, Int4Linear)
-        for b in model.layers
-        for linear in (b.attention.wqkv, b.attention.wo, b.feed_forward.w13, b.feed_forward.w2)
-    )
-    extension = load_decoder() if every_layer_q4 and model.config.head_dim <= 256 else None
-    if extension is not None:
-        model.use_native(extension)
+    # every projection 4-bit (the rest are still plain Linears here): the native decoder
+    model.use_native(load_decoder())
 
 
 def load_model(

@@ -155,9 +155,7 @@ class Block(nn.Module):
         B, q, d = x.shape
         lengths = getattr(ctx, "lengths", None)
         if lengths is not None:
-            mask = ctx.tree_mask
-            if mask is None:
-                mask = torch.ones(q, q, dtype=torch.bool).tril_().expand(B, q, q)
+            mask = ctx.tree_mask if ctx.tree_mask is not None else causal_mask(B, q)
         else:
             lengths = torch.zeros(B, dtype=torch.int64)
             mask = ctx.mask[:, 0]
@@ -178,13 +176,23 @@ class Block(nn.Module):
         return out.view(B, q, d).to(x.dtype)
 
 
+def causal_mask(B: int, q: int) -> torch.Tensor:  # [B, q, q] bool: each row sees its past
+    return torch.ones(q, q, dtype=torch.bool).tril_().expand(B, q, q)
+
+
+NATIVE_MAX_HEAD_DIM = 256  # decoder.cpp's kMaxHeadDim
+
+
 def native_layer_tensors(block: Block) -> list[torch.Tensor] | None:
     """The native decoder's view of one layer: norm weights, and per projection its int4 pack
     and scales-and-zeros (``Int4Linear``) or its oneDNN-packed weight and an empty tensor
-    (``PackedLinear``); None when a projection is neither (a plain or trainable layer)."""
+    (``PackedLinear``); None when the layer cannot run there (a plain or trainable projection,
+    heads wider than the extension's limit)."""
     from lyanna.model.cpu_kernels import PackedLinear
     from lyanna.model.quant import Int4Linear
 
+    if block.config.head_dim > NATIVE_MAX_HEAD_DIM:
+        return None
     empty = torch.empty(0)
     tensors: list[torch.Tensor] = []
     a, f = block.attention, block.feed_forward
@@ -264,7 +272,7 @@ class ForwardContext:
     ) -> torch.Tensor | None:  # [B, 1, q, kv_len] bool
         B = lengths.shape[0]
         if tree_mask is None:
-            tree_mask = torch.ones(q, q, dtype=torch.bool).tril_().expand(B, q, q)
+            tree_mask = causal_mask(B, q)
             if q == 1 and (B == 1 or bool((lengths == lengths[0]).all())):
                 return None  # one new token per sequence, equal lengths: attend to all
         cols = torch.arange(self.kv_len)
@@ -334,18 +342,18 @@ class Transformer(nn.Module):
             x = layer(x, ctx, i)
         return self.norm(x)
 
-    def use_native(self, extension) -> None:
-        """Run the decoder layers in one native call (``lyanna.model.native``); every
-        projection must be an ``Int4Linear`` or a ``PackedLinear``. Its attention is batch
-        invariant in float32, so the KV cache goes back to float32 (see ``attention_dtype``)."""
-        tensors: list[torch.Tensor] = []
-        for block in self.layers:
-            layer = native_layer_tensors(block)
-            if layer is None:
-                raise ValueError("the native decoder needs prepacked or 4-bit projections")
-            tensors += layer
-        self.native, self._native_layers = extension, tensors
+    def use_native(self, extension) -> bool:
+        """Run the decoder layers in one native call (``lyanna.model.native``) when every
+        layer can (``native_layer_tensors``) and the extension is there; returns whether it
+        does. Its attention is batch invariant in float32, so the KV cache goes back to
+        float32 (see ``attention_dtype``)."""
+        layers = [native_layer_tensors(block) for block in self.layers]
+        if extension is None or any(layer is None for layer in layers):
+            return False
+        self.native = extension
+        self._native_layers = [t for layer in layers for t in layer]  # type: ignore[union-attr]
         self.attention_dtype = None
+        return True
 
     def _native_forward(
         self,
@@ -357,8 +365,6 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         B, q = tokens.shape
         cache.check_room(slots, q)
-        if tree_mask is None:
-            tree_mask = torch.ones(q, q, dtype=torch.bool).tril_().expand(B, q, q)
         lengths = cache.lengths[slots]
         x = run_native(
             self.native,
@@ -368,7 +374,7 @@ class Transformer(nn.Module):
             range(0, len(self.layers)),
             slots,
             lengths,
-            tree_mask,
+            tree_mask if tree_mask is not None else causal_mask(B, q),
             lengths[:, None] + torch.arange(q),
             self.rope_cos[positions].reshape(B * q, -1),
             self.rope_sin[positions].reshape(B * q, -1),

@@ -18,7 +18,7 @@ from lyanna.model.native import load_decoder
 from lyanna.model.quant import Int4Linear, Q4Blocks
 from lyanna.model.transformer import rope_tables, run_native
 from lyanna.tree import pack_trees
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_model, prompt_logits
 from tests.unit.test_model_tree_attention import prefill, random_tree
 
 
@@ -67,8 +67,15 @@ def q4_model(head_dim: int, seed: int = 0) -> Transformer:
 
 def native_twin(model: Transformer, extension) -> Transformer:
     twin = copy.deepcopy(model)
-    twin.use_native(extension)
+    assert twin.use_native(extension)
     return twin
+
+
+def test_layers_the_extension_cannot_run_stay_eager(extension) -> None:
+    plain = make_tiny_model(0)  # nn.Linear projections: neither prepacked nor 4-bit
+    assert not plain.use_native(extension) and plain.native is None
+    assert not plain.layers[0].use_native(extension) and plain.layers[0].native is None
+    assert not q4_model(32).use_native(None)  # no extension: nothing changes
 
 
 def decode_one_by_one(model: Transformer, tokens: list[int]) -> torch.Tensor:  # [len, hidden]
@@ -86,11 +93,7 @@ def test_native_computes_the_eager_q4_model(head_dim: int, extension) -> None:
     eager = q4_model(head_dim)
     native = native_twin(eager, extension)
     ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(1))
-    logits = []
-    for model in (eager, native):
-        cache = model.new_cache(1, 32)
-        slot = torch.tensor([cache.allocate()])
-        logits.append(model.logits(model(ids, torch.arange(20)[None], cache, slot))[0])
+    logits = [prompt_logits(model, ids) for model in (eager, native)]
     rel = (logits[0] - logits[1]).norm() / logits[0].norm()
     assert rel < 2e-2, rel  # both round each product's input to bf16, at different places
     assert native.attention_dtype is None and native.new_cache(1, 4).keys.dtype == torch.float32

@@ -12,7 +12,7 @@ import torch
 from lyanna.model import CheckpointError, load_model
 from lyanna.model.loader import export_hf_dir, read_gguf, read_gguf_q4
 from lyanna.model.quant import GROUP, Int4Linear, Q4Blocks, parse_q4_blocks
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_model, prompt_logits
 from tests.unit.test_loader import close_gguf, gguf_writer, hf_state_of
 
 pytestmark = pytest.mark.skipif(
@@ -116,11 +116,7 @@ def test_q4_gguf_model_runs_on_its_blocks(tmp_path: Path, kind: str) -> None:
     assert isinstance(q4.layers[1].feed_forward.w2, Int4Linear)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, exact.config.vocab_size, (1, 12), generator=gen)
-    logits = []
-    for model in (exact, q4):
-        cache = model.new_cache(1, 32)
-        slot = torch.tensor([cache.allocate()])
-        logits.append(model.logits(model(ids, torch.arange(12)[None], cache, slot))[0])
+    logits = [prompt_logits(model, ids) for model in (exact, q4)]
     rel = (logits[0] - logits[1]).norm() / logits[0].norm()
     assert rel < 2e-2, rel
 
@@ -213,10 +209,6 @@ def test_draft_layers_go_4bit_and_native_next_to_a_q4_target() -> None:
         assert block.native is not None  # the layers run in the native decoder
         assert isinstance(model.lm_head, PackedLinear)  # not a decoder layer: prepacked
         ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(0))
-        logits = []
-        for m in (reference, model):
-            cache = m.new_cache(1, 16)
-            slot = torch.tensor([cache.allocate()])
-            logits.append(m.logits(m(ids, torch.arange(9)[None], cache, slot)))
+        logits = [prompt_logits(m, ids) for m in (reference, model)]
         rel = (logits[0] - logits[1]).norm() / logits[0].norm()
         assert rel < 0.02, rel

@@ -1,4 +1,5 @@
-"""The native decoder: the layers of a 4-bit model in one C++ call (``decoder.cpp``).
+"""The native decoder: a stack of decoder layers in one C++ call (``decoder.cpp``), for the
+4-bit target and for drafters' prepacked or 4-bit layers.
 
 Built on first use with torch's extension builder (a C++ compiler is needed; about a minute
 on two cores) into ``$LYANNA_NATIVE_DIR`` (default ``$LYANNA_CACHE/native``)/<key>, where the
