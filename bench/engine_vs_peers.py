@@ -120,7 +120,7 @@ def weight_bytes(model) -> int:
     included), not the embedding (one row is gathered)."""
     total = 0
     for module in model.modules():
-        for name in ("packed", "scales_and_zeros", "weight"):
+        for name in ("packed", "scales", "weight"):
             t = getattr(module, name, None)
             if isinstance(t, torch.Tensor) and module is not model.embed_tokens:
                 total += t.numel() * t.element_size()

@@ -20,6 +20,7 @@ import torch
 
 from lyanna.model.config import ModelConfig
 from lyanna.model.cpu_kernels import PackedLinear, prepacking_available
+from lyanna.model.native import build_key
 from lyanna.model.quant import GROUP, Int4Linear, Q4Blocks, int4_kernel_available, runs_q4
 from lyanna.model.transformer import Transformer
 from lyanna.tree_cost import VerifyCost
@@ -153,8 +154,8 @@ def verify_cost(model: Transformer) -> VerifyCost:
     """The target's forward cost by rows (``COST_ROWS``), measured once per machine, thread
     count, model shape and weight format, then read from the cache."""
     weights = "dense"
-    if runs_q4(model):  # the native decoder's cost curve is its own
-        weights = "q4-native" if model.native is not None else "q4"
+    if runs_q4(model):  # the native decoder's cost curve is its own build's
+        weights = f"q4-native-{build_key()}" if model.native is not None else "q4"
     device = model.embed_tokens.weight.device
     kind = f"verify_cost|{weights}|{model.dtype}|{device.type}"
 

@@ -19,10 +19,14 @@ from lyanna.model.cpu_kernels import PackedLinear, prepack_linears
 from lyanna.model.native import load_decoder
 from lyanna.model.quant import (
     Q4_TYPES,
+    TILE,
+    BlockLinear,
     Int4Linear,
     Q4Blocks,
+    Q8Blocks,
     int4_kernel_available,
     parse_q4_blocks,
+    parse_q8_blocks,
 )
 from lyanna.model.transformer import Transformer, rope_tables
 
@@ -118,16 +122,22 @@ def _open_gguf(path: str | Path):
     return reader, _gguf_config(reader)
 
 
-def read_gguf_q4(path: str | Path) -> dict[str, Q4Blocks]:
+HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")  # the LM head, or its tied twin
+
+
+def read_gguf_q4(path: str | Path) -> dict[str, Q4Blocks | Q8Blocks]:
     """The GGUF's 4-bit linear weights (Q4_0 / Q4_1) as blocks, by Hugging Face name, with
-    llama.cpp's q/k row interleaving undone (rows move whole, so every block is kept)."""
+    llama.cpp's q/k row interleaving undone (rows move whole, so every block is kept), and
+    an LM head (or the embedding it is tied to) stored as Q8_0."""
     reader, config = _open_gguf(path)
-    blocks: dict[str, Q4Blocks] = {}
+    blocks: dict[str, Q4Blocks | Q8Blocks] = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        if name in HEAD_NAMES and tensor.tensor_type.name == "Q8_0":
+            blocks[name] = parse_q8_blocks(tensor.data, shape)
         if name is None or tensor.tensor_type.name not in Q4_TYPES or ".layers." not in name:
             continue
-        shape = tuple(int(d) for d in reversed(tensor.shape))
         weight = parse_q4_blocks(tensor.data, tensor.tensor_type.name, shape)
         if name.endswith("q_proj.weight"):
             weight = weight.rows(_unpermute_rope_rows(shape[0], config.num_heads))
@@ -180,12 +190,12 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     prepack: bool = True,
-    q4: dict[str, Q4Blocks] | None = None,
+    q4: dict[str, Q4Blocks | Q8Blocks] | None = None,
 ) -> Transformer:
     """Map a Hugging Face Llama state dict onto the lean model; on CPU, ``prepack`` swaps the
     linear layers for oneDNN-packed ones (see ``cpu_kernels``). With ``q4`` (4-bit blocks by
     Hugging Face name, ``read_gguf_q4``) every projection whose parts are all 4-bit runs on
-    the int4 kernel and the LM head in bf16 (see ``quant``)."""
+    the int4 kernel and the LM head on its Q8_0 blocks, or in bf16 (see ``quant``)."""
 
     def take(name: str) -> torch.Tensor:
         if name not in hf_state:
@@ -226,8 +236,9 @@ def build_model(
     return model
 
 
-def _use_q4(model: Transformer, q4: dict[str, Q4Blocks]) -> None:
-    """Swap the fused projections for ``Int4Linear`` wherever all their parts are 4-bit."""
+def _use_q4(model: Transformer, q4: dict[str, Q4Blocks | Q8Blocks]) -> None:
+    """Swap the fused projections for ``Int4Linear`` wherever all their parts are 4-bit, and
+    the LM head for its Q8_0 blocks where the file has them."""
     fused = {
         "attention.wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
         "attention.wo": ("self_attn.o_proj",),
@@ -241,7 +252,12 @@ def _use_q4(model: Transformer, q4: dict[str, Q4Blocks]) -> None:
                 parent_name, attr = ours.split(".")
                 parent = getattr(block, parent_name)
                 setattr(parent, attr, Int4Linear(Q4Blocks.cat([q4[n] for n in names])))
-    model.lm_head = PackedLinear(model.lm_head.weight, torch.bfloat16)  # see quant
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    head = q4.get(HEAD_NAMES[1] if tied else HEAD_NAMES[0])
+    if isinstance(head, Q8Blocks) and head.shape[0] % TILE == 0 and load_decoder() is not None:
+        model.lm_head = BlockLinear(head)  # the file's Q8_0 blocks, half the bytes of bf16
+    else:
+        model.lm_head = PackedLinear(model.lm_head.weight, torch.bfloat16)  # see quant
     model.attention_dtype = torch.float64  # see Transformer.attention_dtype
     # every projection 4-bit (the rest are still plain Linears here): the native decoder
     model.use_native(load_decoder())
@@ -274,6 +290,8 @@ def load_model(
     q4 = None
     if weights != "fp32" and torch.device(device).type == "cpu" and dtype == torch.float32:
         q4 = read_gguf_q4(gguf) if gguf is not None and int4_kernel_available() else {}
+        if not any(isinstance(b, Q4Blocks) for b in q4.values()):
+            q4 = {}  # a Q8_0 head alone is not a 4-bit model
         if weights == "q4" and not q4:
             raise CheckpointError(
                 f"weights='q4' needs a GGUF with Q4_0/Q4_1 layers and torch's int4 CPU kernel; "

@@ -200,7 +200,7 @@ def native_layer_tensors(block: Block) -> list[torch.Tensor] | None:
         tensors.append(norm.weight.detach().float().contiguous())
         for linear in linears:
             if isinstance(linear, Int4Linear):
-                tensors += [linear.packed, linear.scales_and_zeros]
+                tensors += [linear.packed, linear.scales]
             elif isinstance(linear, PackedLinear):
                 tensors += [linear.packed, empty]
             else:

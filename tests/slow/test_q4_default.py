@@ -11,7 +11,7 @@ from lyanna.decode import generate
 from lyanna.drafters import DraftBudget, make_drafter
 from lyanna.engine import EngineConfig, SpecEngine
 from lyanna.model import load_model
-from lyanna.model.quant import Int4Linear
+from lyanna.model.quant import BlockLinear, Int4Linear
 from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence
 from lyanna.tokenizer import chat_prompt_ids
@@ -33,6 +33,7 @@ PROMPTS = [
 def q4_model(default_model_dir):
     model = load_model(default_model_dir, weights="q4")
     assert isinstance(model.layers[0].feed_forward.w13, Int4Linear)
+    assert isinstance(model.lm_head, BlockLinear)  # the file's Q8_0 blocks
     return model
 
 
@@ -54,9 +55,11 @@ def test_q4_logits_follow_the_exact_model(q4_model, default_model, prompts) -> N
     agree = (exact.argmax(-1) == q4.argmax(-1)).float().mean().item()
     log_p, log_q = exact.log_softmax(-1), q4.log_softmax(-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
-    # measured: mean rel 0.03, argmax agreement 0.975, KL 0.002 (bf16 activations and scales)
-    print(f"q4 vs fp32: mean rel {rel:.3f}, argmax agreement {agree:.3f}, KL {kl:.4f}")
-    assert rel < 0.06 and agree >= 0.9 and kl < 0.02, (rel, agree, kl)
+    # measured: mean rel 2.7e-4, argmax agreement 1.0, KL 2e-7 (int16 activations, the file's
+    # Q8_0 head); torch's int4 kernel with a bf16 head (bf16 activations and scales): 0.03,
+    # 0.975, 0.002
+    print(f"q4 vs fp32: mean rel {rel:.2e}, argmax agreement {agree:.3f}, KL {kl:.2e}")
+    assert rel < 2e-3 and agree >= 0.97 and kl < 1e-5, (rel, agree, kl)
 
 
 @pytest.mark.parametrize("method", ["ngram", "eagle", "lyanna"])

@@ -22,6 +22,9 @@ from types import ModuleType
 import torch
 
 SOURCE = Path(__file__).with_name("decoder.cpp")
+SOURCES = (SOURCE, SOURCE.with_name("block_matmul.h"))  # what the build key covers
+# at::parallel_for is OpenMP in torch's headers: without -fopenmp it runs on one thread
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 log = logging.getLogger(__name__)
 
 
@@ -36,7 +39,10 @@ def _cpu_flags() -> str:
 
 
 def build_key() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for part in SOURCES:
+        digest.update(part.read_bytes())
+    digest.update(" ".join(FLAGS).encode())
     digest.update(torch.__version__.encode())
     digest.update(_cpu_flags().encode())
     return digest.hexdigest()[:16]
@@ -62,7 +68,8 @@ def load_decoder() -> ModuleType | None:
         return load(
             name=f"lyanna_decoder_{key}",
             sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
+            extra_cflags=list(FLAGS),
+            extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             verbose=False,
         )

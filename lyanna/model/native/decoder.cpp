@@ -22,6 +22,8 @@
 #include <limits>
 #include <vector>
 
+#include "block_matmul.h"
+
 namespace {
 
 using bf16 = c10::BFloat16;
@@ -106,10 +108,44 @@ at::Tensor linear_pointwise(const at::Tensor& x, const at::Tensor& weight) {
   return stack[0].toTensor();
 }
 
+// Weights in block_matmul.h's layouts: int32 lanes of 4-bit codes [N/16, K/32, 4, 16], or int8
+// pairs [N/16, K/32, 16, 16, 2] (Q8_0), with fp16 scales [N/16, K/32, 2, 16].
+bool is_block_weight(const at::Tensor& w) {
+  return w.scalar_type() == at::kInt || w.scalar_type() == at::kChar;
+}
+
+void block_product(const float* x, int64_t M, int64_t K, const at::Tensor& packed,
+                   const at::Tensor& scales, float* y) {
+  const bool q8 = packed.scalar_type() == at::kChar;
+  TORCH_CHECK(packed.is_contiguous() && packed.dim() == (q8 ? 5 : 4) &&
+                  packed.size(2) == (q8 ? blocks::kBlock / 2 : blocks::kChunks) &&
+                  packed.size(3) == blocks::kTile && (!q8 || packed.size(4) == 2),
+              "packed must be contiguous int32 [out/16, in/32, 4, 16] or int8 "
+              "[out/16, in/32, 16, 16, 2]");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  scales.sizes() == at::IntArrayRef({packed.size(0), packed.size(1), 2, blocks::kTile}),
+              "scales must be a contiguous float16 [out/16, in/32, 2, 16] tensor");
+  TORCH_CHECK(packed.size(1) * blocks::kBlock == K, "the weight takes ", packed.size(1) * blocks::kBlock,
+              " inputs, x has ", K);
+  const auto* codes = static_cast<const uint8_t*>(packed.data_ptr());
+  const auto* s = scales.data_ptr<c10::Half>();
+  const int64_t N = packed.size(0) * blocks::kTile;
+  if (q8)
+    blocks::matmul<8>(x, M, K, codes, s, N, y);
+  else
+    blocks::matmul<4>(x, M, K, codes, s, N, y);
+}
+
 // One projection: y [M, N] = x [M, K] W^T. lin points at two tensors: torch's int4 pack and its
 // scales-and-zeros (inputs rounded to bf16, the kernel's fast path), or a oneDNN-prepacked
 // dense weight and an empty tensor (inputs in the weight's dtype).
 void product(const at::Tensor* lin, const float* x, int64_t M, int64_t K, std::vector<float>& y) {
+  if (is_block_weight(lin[0])) {  // block_matmul.h's layouts
+    const int64_t N = lin[0].size(0) * blocks::kTile;
+    y.resize(M * N);
+    block_product(x, M, K, lin[0], lin[1], y.data());
+    return;
+  }
   const bool int4 = lin[1].numel() > 0;
   const auto dtype = int4 ? at::kBFloat16 : lin[0].scalar_type();
   at::Tensor input;
@@ -326,6 +362,17 @@ at::Tensor decoder_layers(at::Tensor x, const std::vector<at::Tensor>& layers, a
   return x;
 }
 
+// x [M, K] float32 times a weight packed by lyanna.model.quant.pack_q4 or pack_q8.
+at::Tensor block_linear(at::Tensor x, at::Tensor packed, at::Tensor scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x must be a contiguous float32 [rows, in] tensor");
+  TORCH_CHECK(is_block_weight(packed), "packed must be int32 (4-bit) or int8 (8-bit) codes");
+  at::Tensor y = at::empty({x.size(0), packed.size(0) * blocks::kTile}, x.options());
+  block_product(x.data_ptr<float>(), x.size(0), x.size(1), packed, scales, y.data_ptr<float>());
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layers", &decoder_layers, "Llama-family decoder layers (CPU)");
+  m.def("block_linear", &block_linear, "x W^T for a 4- or 8-bit weight in block_matmul.h's layouts");
 }

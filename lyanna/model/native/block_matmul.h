@@ -1,0 +1,220 @@
+// y [M, N] = x [M, K] W^T for a weight W held as GGUF blocks of 32 inputs (Q4_0/Q4_1 layers:
+// w = d*q + m with 4-bit q; Q8_0 embedding/LM head: w = d*q with 8-bit q), with integer dot
+// products.
+//
+// Why: torch's int4 kernel dequantizes every weight to float and multiplies in float32 FMAs, so
+// each extra row of a product (a draft token under verification, a sequence in a batch, a
+// prompt token) costs about as much as the first; on AVX-512 VNNI one `vpdpwssd` does 32
+// multiply-adds where an FMA does 16. Rows are quantized to int16 per 32-input block (scale
+// max|x| / 32767: 15 bits where bf16 keeps 8), each block's dot product with the 4-bit codes
+// is exact in int32, and the block's scales are applied in float32 in a fixed order:
+//
+//   y[r, j] = sum over blocks g, ascending, of  s[r, g] * (d[j, g] * dot + m[j, g] * sq[r, g])
+//
+// where dot = sum_k q[j, k] xq[r, k] and sq = sum_k xq[r, k] (exact integers), s the row's
+// block scale. A row's result depends on that row alone (batch invariant) and every float
+// operation is a plain multiply or add (no contraction), so the AVX-512 and the portable
+// paths give the same bits, and lyanna.model.quant.block_matmul_reference reproduces them.
+//
+// Packed layout (lyanna.model.quant.pack_q4): 16 outputs per tile; per tile and block 4
+// chunks of 16 int32 lanes (lane j = output j); nibble i (bits 4i..4i+3) of chunk c holds
+// q[j, 32g + 2p] and nibble 4 + i (bits 16 + 4i..) q[j, 32g + 2p + 1] for pair p = 4c + i, so
+// `(lane >> 4i) & 0x000F000F` is the int16 pair of codes that `vpdpwssd` multiplies with the
+// row's int16 pair (xq[2p], xq[2p + 1]). 8-bit codes (pack_q8): per tile and block 16 pairs of
+// 16 lanes of two int8 (q[j, 32g + 2p], q[j, 32g + 2p + 1]), sign-extended to the same int16
+// pairs. scales [N/16, K/32, 2, 16] fp16 (the file's own d and m; m = 0 for Q8_0): d then m
+// per output.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define LYANNA_BLOCKS_VNNI 1
+#endif
+
+namespace blocks {
+
+constexpr int64_t kTile = 16;    // outputs per tile
+constexpr int64_t kBlock = 32;   // inputs per block
+constexpr int64_t kChunks = 4;   // int32 vectors of codes per tile and block
+constexpr int64_t kRowTile = 8;  // rows sharing one pass over a tile's codes
+constexpr float kQMax = 32767.f;
+
+// Each row's int16 codes per block with their scale and (exact) sum.
+struct QuantizedRows {
+  std::vector<int16_t> codes;  // [M, K]
+  std::vector<float> scale;    // [M, K/32]
+  std::vector<float> sum;      // [M, K/32]
+};
+
+inline void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& out) {
+  const int64_t G = K / kBlock;
+  out.codes.resize(M * K);
+  out.scale.resize(M * G);
+  out.sum.resize(M * G);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* v = x + r * K + g * kBlock;
+      float top = 0.f;
+      for (int64_t k = 0; k < kBlock; ++k) top = std::max(top, std::fabs(v[k]));
+      const float inv = top > 0.f ? kQMax / top : 0.f;
+      int32_t total = 0;
+      int16_t* q = out.codes.data() + r * K + g * kBlock;
+      for (int64_t k = 0; k < kBlock; ++k) {
+        const float c = std::min(std::max(std::nearbyint(v[k] * inv), -kQMax), kQMax);
+        q[k] = static_cast<int16_t>(c);
+        total += q[k];
+      }
+      out.scale[r * G + g] = top / kQMax;
+      out.sum[r * G + g] = static_cast<float>(total);
+    }
+}
+
+// Bytes of codes per tile and block: 4-bit codes in 4 chunks of 16 int32 lanes; 8-bit codes
+// (GGUF Q8_0, the embedding and LM head) as 16 pairs of 16 lanes of two int8.
+template <int Bits>
+constexpr int64_t kBlockBytes = Bits == 4 ? kChunks * kTile * 4 : kBlock * kTile;
+
+#ifdef LYANNA_BLOCKS_VNNI
+
+// Calls f(p, codes) for the 16 input pairs p of one tile's block: codes holds, per output
+// lane, the int16 pair (q[2p], q[2p + 1]).
+template <int Bits, class F>
+inline void for_pairs(const uint8_t* block, F&& f) {
+  if constexpr (Bits == 4) {
+    const __m512i mask = _mm512_set1_epi32(0x000F000F);
+    for (int c = 0; c < kChunks; ++c) {
+      const __m512i packed = _mm512_loadu_si512(block + c * kTile * 4);
+      for (int i = 0; i < 4; ++i) f(4 * c + i, _mm512_and_si512(_mm512_srli_epi32(packed, 4 * i), mask));
+    }
+  } else {
+    for (int p = 0; p < kBlock / 2; ++p)
+      f(p, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(block + p * 2 * kTile))));
+  }
+}
+
+// Rows [r0, r0 + R) of one tile.
+template <int Bits, int R>
+inline void tile_rows(const uint8_t* codes, const c10::Half* scales, const QuantizedRows& xq,
+                      int64_t r0, int64_t K, float* y, int64_t N, int64_t tile) {
+  const int64_t G = K / kBlock;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i dots[R];
+    for (int r = 0; r < R; ++r) dots[r] = _mm512_setzero_si512();
+    for_pairs<Bits>(codes + g * kBlockBytes<Bits>, [&](int p, __m512i pair) {
+      const int64_t k = g * kBlock + 2 * p;
+      for (int r = 0; r < R; ++r) {
+        int32_t xs;
+        std::memcpy(&xs, xq.codes.data() + (r0 + r) * K + k, sizeof xs);
+        dots[r] = _mm512_dpwssd_epi32(dots[r], pair, _mm512_set1_epi32(xs));
+      }
+    });
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(scales + g * 2 * kTile)));
+    const __m512 m =
+        _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(scales + g * 2 * kTile + kTile)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (r0 + r) * G + g;
+      const __m512 t = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(dots[r])),
+                                     _mm512_mul_ps(m, _mm512_set1_ps(xq.sum[i])));
+      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(t, _mm512_set1_ps(xq.scale[i])));
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * N + tile * kTile, acc[r]);
+}
+
+#else
+
+typedef int32_t v16i32 __attribute__((vector_size(64)));
+typedef float v16f __attribute__((vector_size(64)));
+
+// The portable twin of the AVX-512 path: the same integers, the same float operations.
+template <int Bits, class F>
+inline void for_pairs(const uint8_t* block, F&& f) {
+  for (int p = 0; p < kBlock / 2; ++p) {
+    v16i32 lo, hi;
+    for (int j = 0; j < kTile; ++j) {
+      if constexpr (Bits == 4) {
+        int32_t lane;
+        std::memcpy(&lane, block + ((p / 4) * kTile + j) * 4, sizeof lane);
+        lo[j] = (lane >> (4 * (p % 4))) & 0xF;
+        hi[j] = (lane >> (16 + 4 * (p % 4))) & 0xF;
+      } else {
+        lo[j] = static_cast<int8_t>(block[(p * kTile + j) * 2]);
+        hi[j] = static_cast<int8_t>(block[(p * kTile + j) * 2 + 1]);
+      }
+    }
+    f(p, lo, hi);
+  }
+}
+
+template <int Bits, int R>
+inline void tile_rows(const uint8_t* codes, const c10::Half* scales, const QuantizedRows& xq,
+                      int64_t r0, int64_t K, float* y, int64_t N, int64_t tile) {
+  const int64_t G = K / kBlock;
+  v16f acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = v16f{0};
+  for (int64_t g = 0; g < G; ++g) {
+    v16i32 dots[R];
+    for (int r = 0; r < R; ++r) dots[r] = v16i32{0};
+    for_pairs<Bits>(codes + g * kBlockBytes<Bits>, [&](int p, v16i32 lo, v16i32 hi) {
+      for (int r = 0; r < R; ++r) {
+        const int16_t* xr = xq.codes.data() + (r0 + r) * K + g * kBlock + 2 * p;
+        dots[r] += lo * static_cast<int32_t>(xr[0]) + hi * static_cast<int32_t>(xr[1]);
+      }
+    });
+    v16f d, m;
+    for (int j = 0; j < kTile; ++j) {
+      d[j] = static_cast<float>(scales[g * 2 * kTile + j]);
+      m[j] = static_cast<float>(scales[g * 2 * kTile + kTile + j]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (r0 + r) * G + g;
+      v16f dot;
+      for (int j = 0; j < kTile; ++j) dot[j] = static_cast<float>(dots[r][j]);
+      const v16f t = d * dot + m * xq.sum[i];
+      acc[r] += t * xq.scale[i];
+    }
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(y + (r0 + r) * N + tile * kTile, &acc[r], sizeof acc[r]);
+}
+
+#endif
+
+template <int Bits, int R>
+inline void rows_step(const uint8_t* codes, const c10::Half* scales, const QuantizedRows& xq,
+                      int64_t r0, int64_t rows, int64_t K, float* y, int64_t N, int64_t tile) {
+  if constexpr (R > 1) {
+    if (rows < R) return rows_step<Bits, R - 1>(codes, scales, xq, r0, rows, K, y, N, tile);
+  }
+  tile_rows<Bits, R>(codes, scales, xq, r0, K, y, N, tile);
+}
+
+// x [M, K] float32 times a packed weight (kBlockBytes<Bits> per tile and block) with scales
+// [N/16, K/32, 2, 16] fp16 -> y [M, N].
+template <int Bits>
+inline void matmul(const float* x, int64_t M, int64_t K, const uint8_t* packed,
+                   const c10::Half* scales, int64_t N, float* y) {
+  QuantizedRows xq;
+  quantize_rows(x, M, K, xq);
+  const int64_t G = K / kBlock, tiles = N / kTile;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* codes = packed + t * G * kBlockBytes<Bits>;
+      const c10::Half* s = scales + t * G * 2 * kTile;
+      for (int64_t r0 = 0; r0 < M; r0 += kRowTile)
+        rows_step<Bits, kRowTile>(codes, s, xq, r0, std::min(kRowTile, M - r0), K, y, N, t);
+    }
+  });
+}
+
+}  // namespace blocks
