@@ -149,3 +149,22 @@ def test_q8_layout_and_bits() -> None:
         assert torch.equal(load_decoder().block_linear(x[-1:], packed, scales), got[-1:])
     exact = x @ blocks.dequantize().T
     assert (BlockLinear(blocks)(x) - exact).norm() / exact.norm() < 2e-4
+
+
+def test_the_avx2_path_computes_the_same_bits() -> None:
+    """A Zen 3 (AVX2, no VNNI) runs another loop body; it must give the same numbers."""
+    from lyanna.model.native import load_decoder_variant
+
+    avx2 = load_decoder_variant("LYANNA_BLOCKS_AVX2")
+    assert avx2 is not None
+    gen = torch.Generator().manual_seed(7)
+    for blocks, pack in (
+        (random_blocks(48, 3 * GROUP, seed=8), pack_q4),
+        (random_q8(32, 64), pack_q8),
+    ):
+        packed, scales = pack(blocks)
+        for rows in (1, 6, 11):
+            x = torch.randn(rows, blocks.shape[1], generator=gen)
+            expected = block_matmul_reference(x, blocks)
+            assert torch.equal(avx2.block_linear(x, packed, scales), expected)
+            assert torch.equal(load_decoder().block_linear(x, packed, scales), expected)

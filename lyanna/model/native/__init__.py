@@ -38,11 +38,11 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def build_key() -> str:
+def build_key(flags: tuple[str, ...] = FLAGS) -> str:
     digest = hashlib.sha256()
     for part in SOURCES:
         digest.update(part.read_bytes())
-    digest.update(" ".join(FLAGS).encode())
+    digest.update(" ".join(flags).encode())
     digest.update(torch.__version__.encode())
     digest.update(_cpu_flags().encode())
     return digest.hexdigest()[:16]
@@ -55,20 +55,29 @@ def native_enabled() -> bool:
 @cache
 def load_decoder() -> ModuleType | None:
     """The compiled extension, or None when disabled or unbuildable (logged once)."""
-    if not native_enabled():
-        return None
+    return _build(FLAGS) if native_enabled() else None
+
+
+@cache
+def load_decoder_variant(define: str) -> ModuleType | None:
+    """The extension built with ``-D<define>`` (tests: ``LYANNA_BLOCKS_AVX2`` forces the
+    AVX2 products on an AVX-512 machine, so both paths are checked wherever tests run)."""
+    return _build((*FLAGS, f"-D{define}"))
+
+
+def _build(flags: tuple[str, ...]) -> ModuleType | None:
     from torch.utils.cpp_extension import load
 
     from lyanna.model.default import cache_root
 
-    key = build_key()
+    key = build_key(flags)
     build_dir = Path(os.environ.get("LYANNA_NATIVE_DIR", cache_root() / "native")) / key
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         return load(
             name=f"lyanna_decoder_{key}",
             sources=[str(SOURCE)],
-            extra_cflags=list(FLAGS),
+            extra_cflags=list(flags),
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             verbose=False,

@@ -35,9 +35,15 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// Three paths, one result (the same integers, the same float operations in the same order):
+// AVX-512 VNNI, AVX2 (what a Zen 3 has; LYANNA_BLOCKS_AVX2 forces it, for tests), portable.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
+    !defined(LYANNA_BLOCKS_AVX2)
 #include <immintrin.h>
 #define LYANNA_BLOCKS_VNNI 1
+#elif defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#define LYANNA_BLOCKS_AVX2_PATH 1
 #endif
 
 namespace blocks {
@@ -45,7 +51,11 @@ namespace blocks {
 constexpr int64_t kTile = 16;    // outputs per tile
 constexpr int64_t kBlock = 32;   // inputs per block
 constexpr int64_t kChunks = 4;   // int32 vectors of codes per tile and block
+#ifdef LYANNA_BLOCKS_VNNI
 constexpr int64_t kRowTile = 8;  // rows sharing one pass over a tile's codes
+#else
+constexpr int64_t kRowTile = 4;  // (16 vector registers)
+#endif
 constexpr float kQMax = 32767.f;
 
 // Each row's int16 codes per block with their scale and (exact) sum.
@@ -130,6 +140,65 @@ inline void tile_rows(const uint8_t* codes, const c10::Half* scales, const Quant
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * N + tile * kTile, acc[r]);
+}
+
+#elif defined(LYANNA_BLOCKS_AVX2_PATH)
+
+// The 16 output lanes as two halves of 8; vpmaddwd + vpaddd give the same integers as
+// vpdpwssd (no intermediate can overflow: |q| <= 128, |xq| <= 32767, 32 products per block).
+template <int Bits, class F>
+inline void for_pairs(const uint8_t* block, F&& f) {
+  if constexpr (Bits == 4) {
+    const __m256i mask = _mm256_set1_epi32(0x000F000F);
+    for (int c = 0; c < kChunks; ++c) {
+      const __m256i lo = _mm256_loadu_si256((const __m256i*)(block + c * kTile * 4));
+      const __m256i hi = _mm256_loadu_si256((const __m256i*)(block + c * kTile * 4 + 32));
+      for (int i = 0; i < 4; ++i)
+        f(4 * c + i, _mm256_and_si256(_mm256_srli_epi32(lo, 4 * i), mask),
+          _mm256_and_si256(_mm256_srli_epi32(hi, 4 * i), mask));
+    }
+  } else {
+    for (int p = 0; p < kBlock / 2; ++p) {
+      const uint8_t* pair = block + p * 2 * kTile;
+      f(p, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)pair)),
+        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(pair + 16))));
+    }
+  }
+}
+
+template <int Bits, int R>
+inline void tile_rows(const uint8_t* codes, const c10::Half* scales, const QuantizedRows& xq,
+                      int64_t r0, int64_t K, float* y, int64_t N, int64_t tile) {
+  const int64_t G = K / kBlock;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i dots[R][2];
+    for (int r = 0; r < R; ++r) dots[r][0] = dots[r][1] = _mm256_setzero_si256();
+    for_pairs<Bits>(codes + g * kBlockBytes<Bits>, [&](int p, __m256i a, __m256i b) {
+      const int64_t k = g * kBlock + 2 * p;
+      for (int r = 0; r < R; ++r) {
+        int32_t xs;
+        std::memcpy(&xs, xq.codes.data() + (r0 + r) * K + k, sizeof xs);
+        const __m256i x = _mm256_set1_epi32(xs);
+        dots[r][0] = _mm256_add_epi32(dots[r][0], _mm256_madd_epi16(a, x));
+        dots[r][1] = _mm256_add_epi32(dots[r][1], _mm256_madd_epi16(b, x));
+      }
+    });
+    for (int h = 0; h < 2; ++h) {
+      const c10::Half* sc = scales + g * 2 * kTile + h * 8;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)sc));
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + kTile)));
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (r0 + r) * G + g;
+        const __m256 t = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(dots[r][h])),
+                                       _mm256_mul_ps(m, _mm256_set1_ps(xq.sum[i])));
+        acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(t, _mm256_set1_ps(xq.scale[i])));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (r0 + r) * N + tile * kTile + h * 8, acc[r][h]);
 }
 
 #else
