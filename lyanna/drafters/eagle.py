@@ -22,7 +22,12 @@ from torch.profiler import record_function
 from lyanna.drafters.base import DraftBudget, VerifiedStep
 from lyanna.drafters.dynamic_tree import DynamicTreeDrafter, TreeContext
 from lyanna.drafters.eagle_head import DEFAULT_CHECKPOINT, EagleHead, load_eagle_head
-from lyanna.drafters.heads import draft_weight_dtype, hot_lm_head, prepare_draft_layers
+from lyanna.drafters.heads import (
+    draft_weight_dtype,
+    embedding_blocks,
+    hot_lm_head,
+    prepare_draft_layers,
+)
 from lyanna.drafters.scopes import LAYER_SCOPE
 from lyanna.kv_cache import KVCache
 from lyanna.model.quant import runs_q4
@@ -59,7 +64,9 @@ class EagleDrafter(DynamicTreeDrafter):
         prepare_draft_layers(self.head, dtype, q4_layers=runs_q4(target))
         self.embedding = target.embed_tokens  # shared, frozen
         self.hot_vocab = self.head.hot_vocab  # [num_hot] int64
-        self.lm_head = hot_lm_head(target.embed_tokens.weight, self.hot_vocab, dtype)
+        self.lm_head = hot_lm_head(
+            target.embed_tokens.weight, self.hot_vocab, dtype, embedding_blocks(target)
+        )
         self.rope_cos, self.rope_sin = self.head.rope_cos, self.head.rope_sin
         config = self.head.config.layer_config()
         max_len = min(max_len, config.max_position_embeddings)

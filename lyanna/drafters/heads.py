@@ -13,7 +13,15 @@ from torch import nn
 
 from lyanna.model.cpu_kernels import PackedLinear, prepack_linears, prepacking_available
 from lyanna.model.native import load_decoder, use_native_layers
-from lyanna.model.quant import GROUP, Int4Linear, int4_kernel_available, quantize_q4_1, runs_q4
+from lyanna.model.quant import (
+    GROUP,
+    TILE,
+    BlockLinear,
+    Int4Linear,
+    int4_kernel_available,
+    quantize_q4_1,
+    runs_q4,
+)
 from lyanna.model.transformer import Block
 
 
@@ -29,12 +37,26 @@ class Linear(nn.Module):
 
 
 def hot_lm_head(
-    embedding: torch.Tensor, hot_vocab: torch.Tensor, dtype: torch.dtype | None = None
+    embedding: torch.Tensor,
+    hot_vocab: torch.Tensor,
+    dtype: torch.dtype | None = None,
+    blocks: BlockLinear | None = None,
 ) -> nn.Module:
-    """The tied LM head restricted to the hot rows (fp32, or ``dtype`` when prepacked), on
-    CPU prepacked: [..., d] -> [..., num_hot] logits."""
+    """The tied LM head restricted to the hot rows: [..., d] -> [..., num_hot] logits. From
+    ``blocks`` (the target's Q8_0 embedding, ``embedding_blocks``) where given: the file's
+    own weights at about half the bytes of bf16; else fp32, or ``dtype`` when prepacked."""
+    if blocks is not None and hot_vocab.numel() % TILE == 0:
+        return blocks.rows(hot_vocab)
     rows = embedding.detach()[hot_vocab].float().contiguous()  # [num_hot, d]
     return PackedLinear(rows, dtype) if prepacking_available(rows) else Linear(rows)
+
+
+def embedding_blocks(target: nn.Module) -> BlockLinear | None:
+    """The target's embedding as Q8_0 blocks, when its LM head is tied to it and runs on them
+    (``lyanna.model.loader``); drafters gather their hot heads from it."""
+    head = getattr(target, "lm_head", None)
+    tied = getattr(getattr(target, "config", None), "tie_word_embeddings", False)
+    return head if tied and isinstance(head, BlockLinear) else None
 
 
 def draft_weight_dtype(target: nn.Module) -> torch.dtype | None:

@@ -22,7 +22,12 @@ from torch.profiler import record_function
 from lyanna.draft_nodes import DraftNodes
 from lyanna.drafters.base import DraftBudget, VerifiedStep
 from lyanna.drafters.checkpoint import read_checkpoint
-from lyanna.drafters.heads import draft_weight_dtype, hot_lm_head, prepare_draft_layers
+from lyanna.drafters.heads import (
+    draft_weight_dtype,
+    embedding_blocks,
+    hot_lm_head,
+    prepare_draft_layers,
+)
 from lyanna.drafters.lyanna_model import LyannaDraftConfig, LyannaDraftModel
 from lyanna.drafters.sampled import DraftSampling, SampledDrafting
 from lyanna.drafters.scopes import LAYER_SCOPE, LM_HEAD_SCOPE
@@ -76,7 +81,9 @@ class LyannaDrafter(SampledDrafting):
         prepare_draft_layers(
             draft, dtype, q4_layers=runs_q4(target)
         )  # once, in place: inference only
-        self.lm_head = hot_lm_head(draft.embedding, draft.hot_ids, dtype)  # not per step
+        shared = draft.embedding.data_ptr() == target.embed_tokens.weight.data_ptr()
+        blocks = embedding_blocks(target) if shared else None  # the target's own rows
+        self.lm_head = hot_lm_head(draft.embedding, draft.hot_ids, dtype, blocks)  # not per step
         self.budget = budget or DraftBudget()
         self._init_sampling(sample_drafts)  # and the gain calibrations
         self.resample = resample or ResampleConfig()

@@ -13,6 +13,7 @@ dequantization (tests/slow/test_q4_default.py). Without the extension, torch's C
 scale = d, zero = m + 8d; its fast path rounds scales and activations to bf16: logits about
 3e-2 from fp32) and the LM head is a bf16 copy.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -190,6 +191,18 @@ class BlockLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = blocks.shape
         self.packed, self.scales = pack_q8(blocks)
+
+    def blocks(self) -> Q8Blocks:
+        """The Q8_0 blocks back from the packed layout (``pack_q8`` inverted)."""
+        t, g, p, j, e = self.packed.shape
+        codes = self.packed.permute(0, 3, 1, 2, 4).reshape(t * j, g * p * e)
+        scale = self.scales[:, :, 0].permute(0, 2, 1).reshape(t * j, g).float()
+        return Q8Blocks(codes, scale)
+
+    def rows(self, index: torch.Tensor) -> BlockLinear:
+        """A head over the selected output rows (a drafter's hot vocabulary)."""
+        blocks = self.blocks()
+        return BlockLinear(Q8Blocks(blocks.codes[index], blocks.scale[index]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from lyanna.model.native import load_decoder

@@ -168,3 +168,13 @@ def test_the_avx2_path_computes_the_same_bits() -> None:
             expected = block_matmul_reference(x, blocks)
             assert torch.equal(avx2.block_linear(x, packed, scales), expected)
             assert torch.equal(load_decoder().block_linear(x, packed, scales), expected)
+
+
+def test_a_head_restricted_to_rows_keeps_their_blocks() -> None:
+    blocks = random_q8(64, 2 * GROUP, seed=9)
+    head = BlockLinear(blocks)
+    back = head.blocks()
+    assert torch.equal(back.codes, blocks.codes) and torch.equal(back.scale, blocks.scale)
+    hot = torch.tensor([3, 60, 17, 5, 40, 41, 0, 9, 12, 33, 34, 35, 50, 51, 52, 63])
+    x = torch.randn(3, 2 * GROUP, generator=torch.Generator().manual_seed(10))
+    assert torch.equal(head.rows(hot)(x), head(x)[:, hot])  # rows are independent
