@@ -214,6 +214,40 @@ void rope_and_store(const float* qkv, const Shape& s, const Rows& rows, float* q
     }
 }
 
+// The two loops of attention for a head of exactly 16 * C dims, with the query and the
+// accumulators in registers: the same operations in the same order as ``dot`` and the generic
+// loop below (so the same bits), without a round trip through memory per key.
+template <int C>
+void fixed_scores(const float* query, const float* keys, const int64_t* cols, int64_t count,
+                  float scale, float* scores) {
+  v16 q[C];
+  for (int c = 0; c < C; ++c) q[c] = load16(query + c * kLanes);
+  for (int64_t k = 0; k < count; ++k) {
+    const float* key = keys + cols[k] * C * kLanes;
+    v16 acc = {0};
+    for (int c = 0; c < C; ++c) acc += q[c] * load16(key + c * kLanes);
+    acc += __builtin_shuffle(acc, v16i{8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15});
+    acc += __builtin_shuffle(acc, v16i{4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7});
+    acc += __builtin_shuffle(acc, v16i{2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3});
+    acc += __builtin_shuffle(acc, v16i{1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1});
+    scores[k] = acc[0] * scale;
+  }
+}
+
+template <int C>
+void fixed_values(const float* values, const int64_t* cols, const float* weights, int64_t count,
+                  float inv, float* dst) {
+  v16 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = v16{0};
+  for (int64_t k = 0; k < count; ++k) {
+    const v16 p = v16{0} + weights[k];
+    const float* v = values + cols[k] * C * kLanes;
+    for (int c = 0; c < C; ++c) acc[c] += p * load16(v + c * kLanes);
+  }
+  for (int c = 0; c < C; ++c)
+    for (int64_t i = 0; i < kLanes; ++i) dst[c * kLanes + i] = acc[c][i] * inv;
+}
+
 // Attention of every new row over exactly the rows it sees, in ascending order; out
 // [B*q, nh*hd].
 void attend(const float* queries, const float* kc, const float* vc, const Shape& s,
@@ -241,13 +275,32 @@ void attend(const float* queries, const float* kc, const float* vc, const Shape&
       const float* values = vc + (rows.slots[b] * s.nkv + g) * s.T * s.hd;
       const float* query = queries + (r * s.nh + h) * s.hd;
       scores.resize(count);
-      for (int64_t k = 0; k < count; ++k)
-        scores[k] = dot(query, keys + cols[k] * s.hd, s.hd) * scale;
+      const bool fixed = rest == 0 && (chunks == 2 || chunks == 4 || chunks == 8);
+      if (fixed && chunks == 4)
+        fixed_scores<4>(query, keys, cols.data(), count, scale, scores.data());
+      else if (fixed && chunks == 8)
+        fixed_scores<8>(query, keys, cols.data(), count, scale, scores.data());
+      else if (fixed)
+        fixed_scores<2>(query, keys, cols.data(), count, scale, scores.data());
+      else
+        for (int64_t k = 0; k < count; ++k)
+          scores[k] = dot(query, keys + cols[k] * s.hd, s.hd) * scale;
       float top = -std::numeric_limits<float>::infinity();
       for (int64_t k = 0; k < count; ++k) top = std::max(top, scores[k]);
       for (int64_t k = 0; k < count; ++k) scores[k] = fast_exp(scores[k] - top);
       float total = 0.f;
       for (int64_t k = 0; k < count; ++k) total += scores[k];
+      float* dst = out + (r * s.nh + h) * s.hd;
+      const float inv = count ? 1.f / total : 0.f;
+      if (fixed) {
+        if (chunks == 4)
+          fixed_values<4>(values, cols.data(), scores.data(), count, inv, dst);
+        else if (chunks == 8)
+          fixed_values<8>(values, cols.data(), scores.data(), count, inv, dst);
+        else
+          fixed_values<2>(values, cols.data(), scores.data(), count, inv, dst);
+        continue;
+      }
       for (int64_t c = 0; c < chunks; ++c) acc[c] = v16{0};
       std::fill(tail, tail + kLanes, 0.f);
       for (int64_t k = 0; k < count; ++k) {
@@ -256,8 +309,6 @@ void attend(const float* queries, const float* kc, const float* vc, const Shape&
         for (int64_t c = 0; c < chunks; ++c) acc[c] += p * load16(v + c * kLanes);
         for (int64_t i = 0; i < rest; ++i) tail[i] += scores[k] * v[chunks * kLanes + i];
       }
-      float* dst = out + (r * s.nh + h) * s.hd;
-      const float inv = count ? 1.f / total : 0.f;
       for (int64_t c = 0; c < chunks; ++c)
         for (int64_t i = 0; i < kLanes; ++i) dst[c * kLanes + i] = acc[c][i] * inv;
       for (int64_t i = 0; i < rest; ++i) dst[chunks * kLanes + i] = tail[i] * inv;
