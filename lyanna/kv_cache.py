@@ -115,6 +115,15 @@ class KVCache:
             self.values[:, slot, :, start : start + num_keep] = self.values[:, slot, :, src]
         self.lengths[slot] = start + num_keep
 
+    def commit_prefix(self, slot: int, count: int) -> None:
+        """``commit(slot, range(count))`` without its checks and tensors: the first ``count``
+        speculative rows join the committed prefix where they already are (a drafter's
+        own rows, every step)."""
+        start = int(self.lengths[slot])
+        if not 0 <= count <= self.max_len - start:
+            raise CacheFullError("commit refers to rows outside the slot")
+        self.lengths[slot] = start + count
+
     def truncate(self, slot: int, length: int) -> None:
         """Roll the committed prefix back to ``length`` rows."""
         if not 0 <= length <= int(self.lengths[slot]):

@@ -117,7 +117,7 @@ class EagleDrafter(DynamicTreeDrafter):
             out = self.head.layer(self.head.fuse(feats, self.embedding(tokens)), ctx, 0)
         for b, (s, h) in enumerate(zip(states, hidden, strict=True)):
             n = h.shape[0]
-            self.cache.commit(s.slot, torch.arange(n))
+            self.cache.commit_prefix(s.slot, n)
             s.root_state = out[b, n - 1]
             s.pending_hidden.clear()
             s.pending_tokens.clear()

@@ -224,7 +224,7 @@ class LyannaDrafter(SampledDrafting):
         context_len = []
         for s in states:
             m = s.pending.shape[0]
-            cache.commit(s.slot, torch.arange(m))
+            cache.commit_prefix(s.slot, m)
             s.next_position += m
             s.pending = s.pending[:0]
             context_len.append(int(cache.lengths[s.slot]))
@@ -234,7 +234,7 @@ class LyannaDrafter(SampledDrafting):
             ctx = ForwardContext(cache, slots, pos, None, draft.rope_cos, draft.rope_sin)
             h = draft.out_norm(draft.layer(h[:, None], ctx, 0)[:, 0])
             for s in states:
-                cache.commit(s.slot, [0])
+                cache.commit_prefix(s.slot, 1)
             chain.append(h)
         for s, length in zip(states, context_len, strict=True):
             cache.truncate(s.slot, length)

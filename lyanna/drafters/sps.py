@@ -153,7 +153,7 @@ class SpsDrafter(DynamicTreeDrafter):
             out = self._layers(self.student.embed_tokens(tokens), ctx)
         for b, s in enumerate(states):
             n = len(s.pending_tokens)
-            self.cache.commit(s.slot, torch.arange(n))
+            self.cache.commit_prefix(s.slot, n)
             s.root_state = out[b, n - 1]
             s.pending_tokens = []
 

@@ -12,6 +12,8 @@ committed. The fused projections (``wqkv``, ``w13``) follow gpt-fast: fewer, lar
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -265,7 +267,12 @@ class ForwardContext:
         self.kv_len = int(lengths.max()) + q
         self.cos = cos_table[positions].unsqueeze(1)  # [B, 1, q, hd]
         self.sin = sin_table[positions].unsqueeze(1)
-        self.mask = None if self.is_causal else self._build_mask(lengths, q, tree_mask)
+
+    @cached_property
+    def mask(self) -> torch.Tensor | None:  # [B, 1, q, kv_len] bool, or None
+        """Built on first use: the eager attention reads it, the native decoder does not."""
+        q = self.rows.shape[1]
+        return None if self.is_causal else self._build_mask(self.lengths, q, self.tree_mask)
 
     def _build_mask(
         self, lengths: torch.Tensor, q: int, tree_mask: torch.Tensor | None

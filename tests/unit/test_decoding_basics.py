@@ -65,6 +65,22 @@ def test_kv_cache_commit_and_slots() -> None:
     assert cache.num_free_slots == 1
 
 
+def test_commit_prefix_is_commit_of_the_first_rows() -> None:
+    caches = [make_tiny_model().new_cache(1, 8) for _ in range(2)]
+    for cache in caches:
+        cache.allocate()
+        cache.keys[:, 0, :, :8] = torch.arange(8.0)[None, None, :, None]
+        cache.commit(0, [0, 1, 2])
+    caches[0].commit(0, torch.arange(2))
+    caches[1].commit_prefix(0, 2)
+    assert int(caches[0].lengths[0]) == int(caches[1].lengths[0]) == 5
+    assert torch.equal(caches[0].keys, caches[1].keys)
+    with pytest.raises(CacheFullError):
+        caches[1].commit_prefix(0, 4)  # 5 + 4 rows > 8
+    with pytest.raises(CacheFullError):
+        caches[1].commit_prefix(0, -1)
+
+
 def test_batched_generate_equals_one_at_a_time() -> None:
     model = make_tiny_model(1)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10]]
