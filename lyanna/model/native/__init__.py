@@ -22,7 +22,10 @@ from types import ModuleType
 import torch
 
 SOURCE = Path(__file__).with_name("decoder.cpp")
-SOURCES = (SOURCE, SOURCE.with_name("block_matmul.h"))  # what the build key covers
+SOURCES = (
+    SOURCE,
+    *(SOURCE.with_name(h) for h in ("block_matmul.h", "vector_math.h")),
+)  # what the build key covers
 # at::parallel_for is OpenMP in torch's headers: without -fopenmp it runs on one thread
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 log = logging.getLogger(__name__)
