@@ -52,7 +52,7 @@ constexpr int64_t kTile = 16;    // outputs per tile
 constexpr int64_t kBlock = 32;   // inputs per block
 constexpr int64_t kChunks = 4;   // int32 vectors of codes per tile and block
 #ifdef LYANNA_BLOCKS_VNNI
-constexpr int64_t kRowTile = 8;  // rows sharing one pass over a tile's codes
+constexpr int64_t kRowTile = 8;  // rows sharing one pass over a tile's codes (4 and 12: same)
 #else
 constexpr int64_t kRowTile = 4;  // (16 vector registers)
 #endif
@@ -70,7 +70,8 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& o
   out.codes.resize(M * K);
   out.scale.resize(M * G);
   out.sum.resize(M * G);
-  for (int64_t r = 0; r < M; ++r)
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {  // rows are independent
+  for (int64_t r = begin; r < end; ++r)
     for (int64_t g = 0; g < G; ++g) {
       const float* v = x + r * K + g * kBlock;
       float top = 0.f;
@@ -86,6 +87,7 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& o
       out.scale[r * G + g] = top / kQMax;
       out.sum[r * G + g] = static_cast<float>(total);
     }
+  });
 }
 
 // Bytes of codes per tile and block: 4-bit codes in 4 chunks of 16 int32 lanes; 8-bit codes
