@@ -103,14 +103,13 @@ class KVCache:
     def commit(self, slot: int, keep: torch.Tensor | list[int]) -> None:
         """Append the speculative rows ``length + keep`` (ascending, relative to the first
         speculative row) to the committed prefix, in that order; drop everything else."""
-        keep = torch.as_tensor(keep, dtype=torch.int64)
+        keep = keep.tolist() if isinstance(keep, torch.Tensor) else list(keep)
         start = int(self.lengths[slot])
-        num_keep = keep.numel()
-        if num_keep and (int(keep.max()) + start >= self.max_len or int(keep.min()) < 0):
+        num_keep = len(keep)
+        if num_keep and (max(keep) + start >= self.max_len or min(keep) < 0):
             raise CacheFullError("commit refers to rows outside the slot")
-        is_prefix = bool((keep == torch.arange(num_keep)).all())
-        if num_keep and not is_prefix:
-            src = keep + start
+        if keep != list(range(num_keep)):  # a prefix is already where it belongs
+            src = torch.tensor(keep, dtype=torch.int64) + start
             self.keys[:, slot, :, start : start + num_keep] = self.keys[:, slot, :, src]
             self.values[:, slot, :, start : start + num_keep] = self.values[:, slot, :, src]
         self.lengths[slot] = start + num_keep

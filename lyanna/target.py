@@ -161,7 +161,7 @@ class TargetRunner:
             results.append(
                 Verified(
                     verdict=verdict,
-                    committed=[int(tree.tokens[i]) for i in verdict.path],
+                    committed=[tree.token_list[i] for i in verdict.path],
                     hidden=hidden[row, verdict.path] if return_hidden else None,
                     num_committed=int(self.cache.lengths[state.slot]),
                 )

@@ -50,12 +50,14 @@ class TokenTree:
     draft_token_probs: torch.Tensor | None = None  # [num_nodes] float
     draft_probs: torch.Tensor | None = None  # [num_nodes, vocab or num_hot] float
     vocab_index: torch.Tensor | None = None  # [num_hot] int64
-    depths: torch.Tensor = field(init=False, repr=False)  # [num_nodes] int64, root 0
-    log_joint: torch.Tensor = field(init=False, repr=False)  # [num_nodes] float64, root 0
-    _ancestors: torch.Tensor = field(init=False, repr=False)  # [num_nodes, num_nodes] bool
+    # structure as Python tuples, computed once (a verification walks these, not tensors)
+    token_list: tuple[int, ...] = field(init=False, repr=False)
+    parent_list: tuple[int, ...] = field(init=False, repr=False)
+    depth_list: tuple[int, ...] = field(init=False, repr=False)  # root 0
     _paths: tuple[tuple[int, ...], ...] = field(init=False, repr=False)  # root .. node indices
     _children: tuple[tuple[int, ...], ...] = field(init=False, repr=False)
     _depth_counts: tuple[int, ...] = field(init=False, repr=False)  # nodes at depth 1, 2, ...
+    _tensors: dict[str, torch.Tensor] = field(init=False, repr=False)  # built on first use
 
     def __post_init__(self) -> None:
         tokens, parents = self.tokens, self.parents
@@ -79,17 +81,36 @@ class TokenTree:
         self._check_draft_fields(n)
         if self.draft_token_probs is None and self.draft_probs is not None:
             object.__setattr__(self, "draft_token_probs", self._token_probs_from_rows())
-        depth = [len(path) - 1 for path in paths]
+        depth = tuple(len(path) - 1 for path in paths)
         counts = [0] * (max(depth) + 1)
         for d in depth:
             counts[d] += 1
-        object.__setattr__(self, "depths", torch.tensor(depth, dtype=torch.int64))
-        log_joint = log_joint_of(parent_list, self.draft_token_probs)
-        object.__setattr__(self, "log_joint", torch.tensor(log_joint, dtype=torch.float64))
-        object.__setattr__(self, "_ancestors", _ancestor_mask(paths))
+        object.__setattr__(self, "token_list", tuple(tokens.tolist()))
+        object.__setattr__(self, "parent_list", tuple(parent_list))
+        object.__setattr__(self, "depth_list", depth)
         object.__setattr__(self, "_paths", tuple(paths))
         object.__setattr__(self, "_children", tuple(tuple(c) for c in children))
         object.__setattr__(self, "_depth_counts", tuple(counts[1:]))
+        object.__setattr__(self, "_tensors", {})
+
+    @property
+    def depths(self) -> torch.Tensor:  # [num_nodes] int64, root 0
+        if "depths" not in self._tensors:
+            self._tensors["depths"] = torch.tensor(self.depth_list, dtype=torch.int64)
+        return self._tensors["depths"]
+
+    @property
+    def log_joint(self) -> torch.Tensor:  # [num_nodes] float64, root 0
+        if "log_joint" not in self._tensors:
+            log_joint = log_joint_of(list(self.parent_list), self.draft_token_probs)
+            self._tensors["log_joint"] = torch.tensor(log_joint, dtype=torch.float64)
+        return self._tensors["log_joint"]
+
+    @property
+    def _ancestors(self) -> torch.Tensor:  # [num_nodes, num_nodes] bool
+        if "ancestors" not in self._tensors:
+            self._tensors["ancestors"] = _ancestor_mask(list(self._paths))
+        return self._tensors["ancestors"]
 
     def _check_draft_fields(self, n: int) -> None:
         if self.draft_token_probs is not None and self.draft_token_probs.shape != (n,):
@@ -335,20 +356,32 @@ def pack_trees(
     offsets: Sequence[int] | torch.Tensor,  # [batch] position of each root
     pad_token: int = 0,
 ) -> PackedTrees:
-    """Pad a batch of trees of different sizes into the tensors of one verification forward."""
+    """Pad a batch of trees of different sizes into the tensors of one verification forward,
+    built from the trees' Python structure: four tensors per batch, none per tree."""
     if len(trees) != len(offsets):
         raise ValueError("one offset per tree is required")
     if not trees:
         raise ValueError("cannot pack an empty batch")
-    offsets = torch.as_tensor(offsets, dtype=torch.int64)
+    offsets = offsets.tolist() if isinstance(offsets, torch.Tensor) else list(offsets)
     batch, width = len(trees), max(t.num_nodes for t in trees)
-    tokens = torch.full((batch, width), pad_token, dtype=torch.int64)
-    positions = offsets[:, None].repeat(1, width)
-    mask = torch.eye(width, dtype=torch.bool).repeat(batch, 1, 1)
-    for b, tree in enumerate(trees):
-        n = tree.num_nodes
-        tokens[b, :n] = tree.tokens
-        positions[b, :n] += tree.depths
-        mask[b, :n, :n] = tree._ancestors
-    num_nodes = torch.tensor([t.num_nodes for t in trees], dtype=torch.int64)
-    return PackedTrees(tokens=tokens, positions=positions, mask=mask, num_nodes=num_nodes)
+    tokens, positions, mask_b, mask_i, mask_j = [], [], [], [], []
+    for b, (tree, offset) in enumerate(zip(trees, offsets, strict=True)):
+        pad = width - tree.num_nodes
+        tokens.append([*tree.token_list, *[pad_token] * pad])
+        positions.append([offset + d for d in tree.depth_list] + [offset] * pad)
+        for i, path in enumerate(tree._paths):
+            mask_b += [b] * len(path)
+            mask_i += [i] * len(path)
+            mask_j += path
+        padding = range(tree.num_nodes, width)  # padding nodes attend only to themselves
+        mask_b += [b] * pad
+        mask_i += padding
+        mask_j += padding
+    mask = torch.zeros(batch, width, width, dtype=torch.bool)
+    mask[mask_b, mask_i, mask_j] = True
+    return PackedTrees(
+        tokens=torch.tensor(tokens, dtype=torch.int64),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        mask=mask,
+        num_nodes=torch.tensor([t.num_nodes for t in trees], dtype=torch.int64),
+    )

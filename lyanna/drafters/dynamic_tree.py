@@ -28,12 +28,11 @@ from typing import Protocol
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
 from lyanna.draft_nodes import DraftNodes
 from lyanna.drafters.base import DraftBudget
 from lyanna.drafters.sampled import DraftSampling, SampledDrafting, SampledTrees, head_children
-from lyanna.drafters.scopes import LAYER_SCOPE
+from lyanna.drafters.scopes import LAYER_SCOPE, scope
 from lyanna.kv_cache import KVCache
 from lyanna.tree import TokenTree
 
@@ -129,7 +128,7 @@ class DynamicTreeDrafter(SampledDrafting):
             sin=self.rope_sin[positions].unsqueeze(1),
             mask=mask.unsqueeze(1),
         )
-        with record_function(LAYER_SCOPE):
+        with scope(LAYER_SCOPE):
             return self._node_forward(ctx, parent_states, tokens)
 
     def _top_children(self, states: torch.Tensor, k: int):

@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch.profiler import record_function
 
 from lyanna.drafters.base import DraftBudget, VerifiedStep
 from lyanna.drafters.dynamic_tree import DynamicTreeDrafter, TreeContext
@@ -28,7 +27,7 @@ from lyanna.drafters.heads import (
     hot_lm_head,
     prepare_draft_layers,
 )
-from lyanna.drafters.scopes import LAYER_SCOPE
+from lyanna.drafters.scopes import LAYER_SCOPE, scope
 from lyanna.kv_cache import KVCache
 from lyanna.model.quant import runs_q4
 from lyanna.model.transformer import ForwardContext, Transformer
@@ -113,7 +112,7 @@ class EagleDrafter(DynamicTreeDrafter):
         ctx = ForwardContext(
             self.cache, slots, positions, None, self.head.rope_cos, self.head.rope_sin
         )
-        with record_function(LAYER_SCOPE):
+        with scope(LAYER_SCOPE):
             out = self.head.layer(self.head.fuse(feats, self.embedding(tokens)), ctx, 0)
         for b, (s, h) in enumerate(zip(states, hidden, strict=True)):
             n = h.shape[0]

@@ -73,15 +73,30 @@ def prepare_draft_layers(module: nn.Module, dtype: torch.dtype | None, q4_layers
     ``q4_layers`` (next to a 4-bit target) and the native decoder at hand, its decoder
     layers' projections become 4-bit too (``quantize_q4_1``; measured in docs/benchmarks.md:
     the same acceptance as bf16 layers, faster steps); every other linear is prepacked in
-    ``dtype``; the layers then run in the native decoder when it builds."""
+    ``dtype``; the layers then run in the native decoder when it builds. The input projection
+    ``fc`` goes 4-bit with the layers: a bf16 product of its 1.3 MB cost a draft step more
+    than the whole 4-bit layer (measured in docs/benchmarks.md)."""
     if q4_layers and int4_kernel_available() and load_decoder() is not None:
+        parents: list[nn.Module] = [module]  # its input projection (``fc``), then the layers
         for block in (m for m in module.modules() if isinstance(m, Block)):
-            for parent in (block.attention, block.feed_forward):
-                for name, child in list(parent.named_children()):
-                    if isinstance(child, nn.Linear) and child.in_features % GROUP == 0:
-                        setattr(parent, name, Int4Linear(quantize_q4_1(child.weight)))
+            parents += [block.attention, block.feed_forward]
+        for parent in parents:
+            for name, child in list(parent.named_children()):
+                if parent is module and name != "fc":
+                    continue
+                if _fits_blocks(child):
+                    setattr(parent, name, Int4Linear(quantize_q4_1(child.weight)))
     prepack_linears(module, dtype)
     use_native_layers(module)
+
+
+def _fits_blocks(child: nn.Module) -> bool:
+    return (
+        isinstance(child, nn.Linear)
+        and child.bias is None
+        and child.in_features % GROUP == 0
+        and child.out_features % TILE == 0
+    )
 
 
 FULL_VOCAB_CHUNK = 512  # rows per full-vocabulary product (bounded memory in evaluation)

@@ -17,7 +17,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from torch.profiler import record_function
 
 from lyanna.draft_nodes import DraftNodes
 from lyanna.drafters.base import DraftBudget, VerifiedStep
@@ -30,7 +29,7 @@ from lyanna.drafters.heads import (
 )
 from lyanna.drafters.lyanna_model import LyannaDraftConfig, LyannaDraftModel
 from lyanna.drafters.sampled import DraftSampling, SampledDrafting
-from lyanna.drafters.scopes import LAYER_SCOPE, LM_HEAD_SCOPE
+from lyanna.drafters.scopes import LAYER_SCOPE, LM_HEAD_SCOPE, scope
 from lyanna.drafters.token_info_tree import build_subtrees, resample_subtree
 from lyanna.kv_cache import KVCache
 from lyanna.model.quant import runs_q4
@@ -187,9 +186,9 @@ class LyannaDrafter(SampledDrafting):
     ) -> list[DraftNodes]:
         """Each sequence's fresh candidates, pruned to the budget (not yet a tree: fusion
         may still merge the re-sampled subtree into them)."""
-        with record_function(LAYER_SCOPE):
+        with scope(LAYER_SCOPE):
             chains = self._chains(states)  # [B, N, n]
-        with record_function(LM_HEAD_SCOPE):
+        with scope(LM_HEAD_SCOPE):
             logits = self.lm_head(chains)  # [B, N, num_hot]: one GEMM
         for state, chain_logits in zip(states, logits, strict=True):
             state.chain_logits = chain_logits

@@ -17,11 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-from torch.profiler import record_function
 
 from lyanna.draft_nodes import DraftNodes
 from lyanna.drafters.base import VerifiedStep
-from lyanna.drafters.scopes import LM_HEAD_SCOPE, SAMPLE_SCOPE, SOFTMAX_SCOPE
+from lyanna.drafters.scopes import LM_HEAD_SCOPE, SAMPLE_SCOPE, SOFTMAX_SCOPE, scope
 from lyanna.sampling import SamplingParams, logits_to_probs, sample_distinct
 from lyanna.tree import DraftScheme
 from lyanna.tree_cost import GainCalibration
@@ -74,14 +73,14 @@ def draw_children(
 ) -> Children:
     """Each node's k children: its top-k hot columns, or for a sampling sequence k columns
     drawn without replacement from its processed row."""
-    with record_function(SOFTMAX_SCOPE):
+    with scope(SOFTMAX_SCOPE):
         logits = logits.float()
         probs = logits.log_softmax(-1) if log_space else logits.softmax(-1)
     top = probs.topk(k, dim=-1)
     sampled = [b for b, draw in enumerate(draws) if draw is not None]
     if not sampled:
         return Children(top.values, top.indices, sampled)
-    with record_function(SAMPLE_SCOPE):
+    with scope(SAMPLE_SCOPE):
         chosen = torch.tensor(sampled)
         temperature = torch.tensor([draws[b].temperature for b in sampled])[:, None, None]
         top_p = torch.tensor([draws[b].top_p for b in sampled])[:, None, None]
@@ -103,7 +102,7 @@ def head_children(
     draws: list[DraftSampling | None],
 ) -> Children:
     """``draw_children`` of the hot LM head's logits."""
-    with record_function(LM_HEAD_SCOPE):
+    with scope(LM_HEAD_SCOPE):
         logits = lm_head(states).float()
     return draw_children(logits, k, draws)
 

@@ -21,13 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.profiler import record_function
 
 from lyanna.drafters.base import DraftBudget, VerifiedStep
 from lyanna.drafters.checkpoint import read_checkpoint
 from lyanna.drafters.dynamic_tree import DynamicTreeDrafter, TreeContext
 from lyanna.drafters.heads import draft_weight_dtype, hot_lm_head, prepare_draft_layers
-from lyanna.drafters.scopes import LAYER_SCOPE
+from lyanna.drafters.scopes import LAYER_SCOPE, scope
 from lyanna.kv_cache import KVCache
 from lyanna.model.quant import runs_q4
 from lyanna.model.transformer import ForwardContext, Transformer, rope_tables
@@ -149,7 +148,7 @@ class SpsDrafter(DynamicTreeDrafter):
         slots = torch.tensor([s.slot for s in states])
         positions = self.cache.lengths[slots][:, None] + torch.arange(q)
         ctx = ForwardContext(self.cache, slots, positions, None, self.rope_cos, self.rope_sin)
-        with record_function(LAYER_SCOPE):
+        with scope(LAYER_SCOPE):
             out = self._layers(self.student.embed_tokens(tokens), ctx)
         for b, s in enumerate(states):
             n = len(s.pending_tokens)

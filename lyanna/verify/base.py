@@ -287,7 +287,7 @@ def make_verdict(tree: TokenTree, path: Sequence[int], token: int, fallback: boo
     """Assemble a verdict from an accepted path and the final token."""
     path = list(path)
     num_accepted = len(path) - 1
-    accepted_tokens = tree.tokens[path[1:]].tolist()
+    accepted_tokens = [tree.token_list[i] for i in path[1:]]
     return Verdict(
         path=path,
         tokens=accepted_tokens + [int(token)],

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lyanna.tree import DraftScheme, TokenTree, pack_trees
+from lyanna.tree import DraftScheme, TokenTree
 from lyanna.verify.base import Branch, RuleBase, Verdict, make_verdict
 
 
@@ -38,24 +38,9 @@ class Greedy(RuleBase):
         target_probs: Sequence[torch.Tensor],  # each [num_nodes_b, vocab]
         generator: torch.Generator | None = None,
     ) -> list[Verdict]:
-        best_per_tree = [probs.argmax(dim=-1) for probs in target_probs]  # no copy of the rows
-        packed = pack_trees(trees, [0] * len(trees))
-        width = packed.tokens.shape[1]
-        best = torch.zeros(len(trees), width, dtype=torch.int64)
-        parents = torch.zeros(len(trees), width, dtype=torch.int64)
-        valid = torch.zeros(len(trees), width, dtype=torch.bool)
-        for b, (tree, best_b) in enumerate(zip(trees, best_per_tree, strict=True)):
-            best[b, : tree.num_nodes] = best_b
-            parents[b, 1 : tree.num_nodes] = tree.parents[1:]
-            valid[b, : tree.num_nodes] = True
-        match = (packed.tokens == best.gather(1, parents)) & valid  # [batch, width]
-        match[:, 0] = True
-        on_path = ~(packed.mask & ~match[:, None, :]).any(dim=-1)  # [batch, width]
-        depth_score = torch.where(on_path, packed.positions, -1)  # positions = depths here
-        ends = depth_score.argmax(dim=-1).tolist()  # first (lowest) index among the deepest
         return [
-            make_verdict(tree, tree.path_to(end), int(best[b, end]), fallback=False)
-            for b, (tree, end) in enumerate(zip(trees, ends, strict=True))
+            _greedy_verdict(tree, probs.argmax(dim=-1).tolist())  # no copy of the rows
+            for tree, probs in zip(trees, target_probs, strict=True)
         ]
 
     def _branches(
@@ -67,3 +52,19 @@ class Greedy(RuleBase):
         one_hot = torch.zeros(target_probs.shape[-1], dtype=target_probs.dtype)
         one_hot[verdict.tokens[-1]] = 1.0
         return [Branch(path=tuple(verdict.path), probability=1.0, next_token_probs=one_hot)]
+
+
+def _greedy_verdict(tree: TokenTree, best: list[int]) -> Verdict:
+    """Walk the tree in node order (parents come first): a node is accepted when its parent
+    is and its token is the target's argmax there; the verdict ends at the first of the
+    deepest accepted nodes. A few list lookups per node, no tensor op."""
+    tokens, parents, depths = tree.token_list, tree.parent_list, tree.depth_list
+    accepted = [True] + [False] * (len(tokens) - 1)
+    end = 0
+    for i in range(1, len(tokens)):
+        parent = parents[i]
+        if accepted[parent] and tokens[i] == best[parent]:
+            accepted[i] = True
+            if depths[i] > depths[end]:
+                end = i
+    return make_verdict(tree, tree.path_to(end), best[end], fallback=False)
