@@ -65,9 +65,12 @@ class KVCache:
 
     def check_room(self, slots: torch.Tensor, num_new: int) -> None:
         """Raise unless every slot has room for ``num_new`` more rows."""
-        longest = int(self.lengths[slots].max()) + num_new
-        if longest > self.max_len:
-            raise CacheFullError(f"sequence needs {longest} KV rows, capacity is {self.max_len}")
+        self.check_length(int(self.lengths[slots].max()) + num_new)
+
+    def check_length(self, rows: int) -> None:
+        """Raise unless a sequence of ``rows`` KV rows fits a slot."""
+        if rows > self.max_len:
+            raise CacheFullError(f"sequence needs {rows} KV rows, capacity is {self.max_len}")
 
     def write(
         self,

@@ -153,25 +153,27 @@ class DynamicTreeDrafter(SampledDrafting):
         k = min(budget.top_k, self.hot_vocab.numel())
         B = len(states)
         draws = draws or [None] * B
-        slots = torch.tensor([s.slot for s in states])
-        lengths = self.cache.lengths[slots].clone()
         root_states = torch.stack([s.root_state for s in states])[:, None]  # [B, 1, d]
         children = head_children(self.lm_head, root_states, k, draws)  # [B, 1, k]
         sampled = SampledTrees(children.sampled)
-        sampled.add(children, torch.zeros(B, 1, dtype=torch.int64), torch.zeros(B, 1))
+        if sampled.batch:
+            sampled.add(children, torch.zeros(B, 1, dtype=torch.int64), torch.zeros(B, 1))
         child_logq, child_tokens = children.values, self.hot_vocab[children.columns]
         tokens = [torch.tensor([[s.root] for s in states]), child_tokens[:, 0]]  # blocks
         parents = [torch.full((B, 1), -1), torch.zeros(B, k, dtype=torch.int64)]
         logq = [torch.zeros(B, 1), child_logq[:, 0]]  # log draft probability of each token
-        num_nodes = 1 + k
         joint = child_logq[:, 0]  # [B, k] joint log probability of the frontier
-        frontier = torch.arange(1, k + 1).expand(B, k)  # node index of each frontier entry
-        frontier_tokens = child_tokens[:, 0]  # [B, k]
-        frontier_states = root_states.expand(B, k, -1)  # parents' states
-        # tree rows (see _tree_forward) of each frontier entry's strict ancestors
-        ancestors = torch.zeros(B, k, (budget.depth - 1) * k, dtype=torch.bool)
-        own_row = torch.arange(k)
         joints = [joint]  # log joint probability of every drafted node, block by block
+        if budget.depth > 1:  # what growing deeper needs (a depth-1 tree is done here)
+            slots = torch.tensor([s.slot for s in states])
+            lengths = self.cache.lengths[slots].clone()
+            num_nodes = 1 + k
+            frontier = torch.arange(1, k + 1).expand(B, k)  # node index of each frontier entry
+            frontier_tokens = child_tokens[:, 0]  # [B, k]
+            frontier_states = root_states.expand(B, k, -1)  # parents' states
+            # tree rows (see _tree_forward) of each frontier entry's strict ancestors
+            ancestors = torch.zeros(B, k, (budget.depth - 1) * k, dtype=torch.bool)
+            own_row = torch.arange(k)
         for depth in range(1, budget.depth):
             if not self._worth_deeper(joints, joint, start, sampled):
                 break

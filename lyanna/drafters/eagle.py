@@ -99,15 +99,18 @@ class EagleDrafter(DynamicTreeDrafter):
         """Run the queued (hidden state, next token) pairs into the draft KV and commit them;
         the last output of each sequence becomes its root feature."""
         hidden = [torch.cat(s.pending_hidden).float() for s in states]
-        q = max(h.shape[0] for h in hidden)
-        d = hidden[0].shape[1]
-        B = len(states)
+        counts = [h.shape[0] for h in hidden]
+        q = max(counts)
         slots = torch.tensor([s.slot for s in states])
-        feats = torch.zeros(B, q, d)
-        tokens = torch.zeros(B, q, dtype=torch.int64)
-        for b, (s, h) in enumerate(zip(states, hidden, strict=True)):
-            feats[b, : h.shape[0]] = h
-            tokens[b, : h.shape[0]] = torch.tensor(s.pending_tokens)
+        if min(counts) == q:  # nothing to pad (always so for one sequence)
+            feats = torch.stack(hidden)
+        else:
+            feats = torch.zeros(len(states), q, hidden[0].shape[1])
+            for b, h in enumerate(hidden):
+                feats[b, : h.shape[0]] = h
+        tokens = torch.tensor(
+            [s.pending_tokens + [0] * (q - len(s.pending_tokens)) for s in states]
+        )
         positions = self.cache.lengths[slots][:, None] + torch.arange(q)
         ctx = ForwardContext(
             self.cache, slots, positions, None, self.head.rope_cos, self.head.rope_sin

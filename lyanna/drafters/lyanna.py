@@ -207,26 +207,34 @@ class LyannaDrafter(SampledDrafting):
         """h1 from the pending context, then h2..hN from the chain alone."""
         draft, cache = self.draft, self.cache
         slots = torch.tensor([s.slot for s in states])
-        width = max(s.pending.shape[0] for s in states)
-        n = draft.config.target.hidden_size
-        x = torch.zeros(len(states), width, n)
-        positions = torch.zeros(len(states), width, dtype=torch.int64)
-        for b, s in enumerate(states):
-            m = s.pending.shape[0]
-            x[b, :m] = s.pending
-            positions[b] = s.next_position + torch.arange(width).clamp(max=m - 1)
+        counts = [s.pending.shape[0] for s in states]
+        width = max(counts)
+        if min(counts) == width:  # nothing to pad (always so for one sequence)
+            x = torch.stack([s.pending for s in states])
+        else:
+            x = torch.zeros(len(states), width, draft.config.target.hidden_size)
+            for b, s in enumerate(states):
+                x[b, : counts[b]] = s.pending
+        positions = torch.tensor(  # padding rows repeat the last position
+            [
+                [s.next_position + min(j, m - 1) for j in range(width)]
+                for s, m in zip(states, counts, strict=True)
+            ]
+        )
         out = draft.layer(
             x, ForwardContext(cache, slots, positions, None, draft.rope_cos, draft.rope_sin), 0
         )
-        last = torch.tensor([s.pending.shape[0] - 1 for s in states])
-        h = draft.out_norm(out[torch.arange(len(states)), last])  # [B, n] = h1
+        if min(counts) == width:
+            last = out[:, -1]
+        else:
+            last = out[torch.arange(len(states)), torch.tensor(counts) - 1]
+        h = draft.out_norm(last)  # [B, n] = h1
         context_len = []
-        for s in states:
-            m = s.pending.shape[0]
+        for s, m in zip(states, counts, strict=True):
             cache.commit_prefix(s.slot, m)
             s.next_position += m
             s.pending = s.pending[:0]
-            context_len.append(int(cache.lengths[s.slot]))
+            context_len.append(s.next_position)
         chain = [h]
         for step in range(1, self.budget.depth):
             pos = torch.tensor([[p + step - 1] for p in context_len])

@@ -51,9 +51,11 @@ def build_subtrees(
     sampled = SampledTrees([b for b, draw in enumerate(draws) if draw is not None])
     for step in range(logits.shape[1]):
         rows = logits[:, step, None].expand(-1, frontier.shape[1], -1).float()
-        if info_table is not None:  # no token info for a cold (non-hot) parent
+        if info_table is not None and step == 0:  # no token info for a cold (non-hot) root
             info = info_table[frontier_hot.clamp(min=0)].float()
             rows = torch.where((frontier_hot >= 0)[..., None], rows + info, rows)
+        elif info_table is not None:  # later parents are drafted children: always hot
+            rows = rows + info_table[frontier_hot].float()
         children = draw_children(rows, top_k, draws, log_space=False)  # [B, f, k]
         sampled.add(children, frontier, frontier_log_joint)
         child_probs, child_cols = children.values, children.columns

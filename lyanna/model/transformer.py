@@ -12,6 +12,7 @@ committed. The fused projections (``wqkv``, ``w13``) follow gpt-fast: fewer, lar
 
 from __future__ import annotations
 
+import functools
 from functools import cached_property
 
 import torch
@@ -178,8 +179,10 @@ class Block(nn.Module):
         return out.view(B, q, d).to(x.dtype)
 
 
+@functools.lru_cache(maxsize=64)
 def causal_mask(B: int, q: int) -> torch.Tensor:  # [B, q, q] bool: each row sees its past
-    return torch.ones(q, q, dtype=torch.bool).tril_().expand(B, q, q)
+    """Contiguous and shared (never written): a decode step asks for the same few shapes."""
+    return torch.ones(q, q, dtype=torch.bool).tril_().expand(B, q, q).contiguous()
 
 
 NATIVE_MAX_HEAD_DIM = 256  # decoder.cpp's kMaxHeadDim
@@ -256,15 +259,15 @@ class ForwardContext:
         attention_dtype: torch.dtype | None = None,
     ) -> None:
         B, q = positions.shape
-        cache.check_room(slots, q)
         lengths = cache.lengths[slots]  # [B]
+        self.kv_len = int(lengths.max()) + q
+        cache.check_length(self.kv_len)
         self.cache, self.slots = cache, slots
         self.lengths, self.tree_mask = lengths, tree_mask  # for the native decoder
         self.attention_dtype = attention_dtype
         # a fresh prompt alone: causal attention over exactly its own rows, no mask to build
         self.is_causal = tree_mask is None and q > 1 and B == 1 and int(lengths[0]) == 0
         self.rows = lengths[:, None] + torch.arange(q)  # [B, q]
-        self.kv_len = int(lengths.max()) + q
         self.cos = cos_table[positions].unsqueeze(1)  # [B, 1, q, hd]
         self.sin = sin_table[positions].unsqueeze(1)
 
