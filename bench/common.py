@@ -90,7 +90,7 @@ def add_run_args(parser: argparse.ArgumentParser, per_category: int, max_tokens:
 def method_budget(args: argparse.Namespace, method: str, model) -> DraftBudget:
     """The tree budget of ``add_run_args``' flags for ``method``: its measured default with
     the flags given applied on top (and the target's cost curve for --tree cost)."""
-    base = default_budget(method)
+    base = default_budget(method, model)
     given = {"depth": args.depth, "top_k": args.top_k, "max_tokens": args.budget}
     explicit = replace(base, **{k: v for k, v in given.items() if v is not None})
     return tree_budget(method, model, args.tree, explicit)

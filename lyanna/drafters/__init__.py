@@ -74,8 +74,14 @@ DRAFTERS: Mapping[str, DrafterFactory] = MappingProxyType(
 
 
 # The tree shape each method drafts unless told otherwise (serve, the drafter service,
-# spec_bench): the best measured on Spec-Bench, cost-aware (the budget is a cap, the
-# target's cost curve picks the size per step); see docs/benchmarks.md, "Tree shapes".
+# spec_bench), by how verification cost grows with the rows verified. Deep trees were the best
+# measured where a forward over 8 rows costs little more than over 1 (fp32 weights on CPU, a
+# GPU). A 4-bit target on CPU is compute bound beyond 2 rows (each further row about 20 % of a
+# decode step), and there one draft token per step is the best measured for every method:
+# decode speedup over AR, 13 Spec-Bench prompts, T = 0, one interleaved run - EAGLE-2 0.93x
+# vs 0.82x with the deep shape, Lyanna 0.89x vs 0.74x, n-gram 1.06x vs 1.04x (see
+# docs/benchmarks.md, "Tree shapes on the 4-bit engine"). Cost-aware trees use the shape as a
+# cap (the target's cost curve picks the size per step, down to no draft at all).
 DEFAULT_BUDGETS: Mapping[str, DraftBudget] = MappingProxyType(
     {
         "ngram": DraftBudget(depth=3, top_k=2, max_tokens=8),
@@ -86,12 +92,21 @@ DEFAULT_BUDGETS: Mapping[str, DraftBudget] = MappingProxyType(
         "lyanna-noresample": DraftBudget(depth=3, top_k=2, max_tokens=8),
     }
 )
+ONE_TOKEN = DraftBudget(depth=1, top_k=1, max_tokens=1)
+STEEP_COST_BUDGETS: Mapping[str, DraftBudget] = MappingProxyType(
+    dict.fromkeys(DEFAULT_BUDGETS, ONE_TOKEN)
+)
 
 
-def default_budget(method: str) -> DraftBudget:
-    """The measured default tree shape of ``method`` (without a cost curve: the caller adds
-    the target's, ``lyanna.model.calibrate.verify_cost``)."""
-    return DEFAULT_BUDGETS.get(method, DraftBudget())
+def default_budget(method: str, model: Transformer | None = None) -> DraftBudget:
+    """The measured default tree shape of ``method`` for ``model``'s engine: one draft token
+    for a 4-bit target (steep verification cost), the deep shape otherwise or when no model
+    is given (without a cost curve: the caller adds the target's,
+    ``lyanna.model.calibrate.verify_cost``)."""
+    from lyanna.model.quant import runs_q4
+
+    table = STEEP_COST_BUDGETS if model is not None and runs_q4(model) else DEFAULT_BUDGETS
+    return table.get(method, DraftBudget())
 
 
 TREE_MODES = ("cost", "fixed")
@@ -104,7 +119,7 @@ def tree_budget(
     and, when ``tree`` is ``cost``, the target's cost curve (measured once per machine)."""
     if tree not in TREE_MODES:
         raise ValueError(f"tree must be one of {TREE_MODES}, got {tree!r}")
-    budget = budget or default_budget(method)
+    budget = budget or default_budget(method, model)
     if tree == "cost" and method != "ar":  # plain decoding drafts nothing to size
         from lyanna.model.calibrate import verify_cost
 
@@ -124,7 +139,7 @@ def make_drafter(
         factory = DRAFTERS[name]
     except KeyError:
         raise KeyError(f"unknown method {name!r}; known: {sorted(DRAFTERS)}") from None
-    return factory(model, budget or default_budget(name), capacity or DraftCapacity())
+    return factory(model, budget or default_budget(name, model), capacity or DraftCapacity())
 
 
 __all__ = [
@@ -134,6 +149,7 @@ __all__ = [
     "DraftCapacity",
     "Drafter",
     "NoDrafter",
+    "STEEP_COST_BUDGETS",
     "TREE_MODES",
     "VerifiedStep",
     "default_budget",

@@ -81,9 +81,10 @@ class DrafterConfig:
         if self.factory is not None and ":" not in self.factory:
             raise ValueError("factory must look like 'package.module:function'")
 
-    def shape(self) -> DraftBudget:
-        """The tree shape: the method's default with the fields set here on top."""
-        base = default_budget(self.method)
+    def shape(self, model: Transformer | None = None) -> DraftBudget:
+        """The tree shape: the method's default (for ``model``'s engine) with the fields set
+        here on top."""
+        base = default_budget(self.method, model)
         return DraftBudget(
             base.depth if self.depth is None else self.depth,
             base.top_k if self.top_k is None else self.top_k,
@@ -92,7 +93,7 @@ class DrafterConfig:
 
     def budget(self, model: Transformer) -> DraftBudget:
         """The shape, with the target's cost curve for ``tree='cost'``."""
-        return tree_budget(self.method, model, self.tree, self.shape())
+        return tree_budget(self.method, model, self.tree, self.shape(model))
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):

@@ -198,3 +198,32 @@ def test_calibration_learns_what_predicted_gains_are_worth() -> None:
     assert doubted < trusted
     # the kept nodes' unscaled gains are what the next verification is compared with
     assert calibration.pending == pytest.approx(sum(trees[0].ranked_gains()[:doubted]))
+
+
+def test_a_4bit_target_drafts_one_token_by_default_everywhere(tmp_path, monkeypatch) -> None:
+    """The 4-bit engine's verification cost is steep, so serve, the drafter service and
+    spec_bench all default to the measured one-token shape there, and to the deep shape on
+    a target whose verification is flat."""
+    import argparse
+
+    from bench.common import method_budget
+    from lyanna.drafters import DEFAULT_BUDGETS, default_budget, tree_budget
+    from lyanna.model.quant import Int4Linear, quantize_q4_1, runs_q4
+    from services.drafter.server import DrafterConfig
+    from tests.conftest import make_tiny_model
+
+    monkeypatch.setenv("LYANNA_CACHE", str(tmp_path))
+    dense = make_tiny_model(3, vocab_size=32)
+    q4 = make_tiny_model(3, vocab_size=32)
+    mlp = q4.layers[0].feed_forward
+    mlp.w2 = Int4Linear(quantize_q4_1(mlp.w2.weight))
+    assert runs_q4(q4) and not runs_q4(dense)
+    flags = argparse.Namespace(depth=None, top_k=None, budget=None, tree="fixed")
+    for method in ("eagle", "lyanna", "ngram"):
+        deep, one = default_budget(method, dense), default_budget(method, q4)
+        assert deep == DEFAULT_BUDGETS[method] and deep.max_tokens > 1
+        assert (one.depth, one.top_k, one.max_tokens) == (1, 1, 1)
+        assert tree_budget(method, q4, "fixed") == one
+        assert DrafterConfig(method=method, tree="fixed").budget(q4) == one
+        assert method_budget(flags, method, q4) == one
+        assert method_budget(flags, method, dense) == deep
