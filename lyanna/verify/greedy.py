@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from lyanna.sampling import argmax_rows
 from lyanna.tree import DraftScheme, TokenTree
 from lyanna.verify.base import Branch, RuleBase, Verdict, make_verdict
 
@@ -39,7 +40,7 @@ class Greedy(RuleBase):
         generator: torch.Generator | None = None,
     ) -> list[Verdict]:
         return [
-            _greedy_verdict(tree, probs.argmax(dim=-1).tolist())  # no copy of the rows
+            _greedy_verdict(tree, argmax_rows(probs))  # no copy of the rows
             for tree, probs in zip(trees, target_probs, strict=True)
         ]
 
