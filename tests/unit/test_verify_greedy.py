@@ -121,3 +121,18 @@ def test_greedy_speculative_loop_reproduces_plain_greedy_decoding(parents) -> No
         history.extend(verdict.tokens)
     assert history[len(start) : len(start) + count] == plain_greedy(target, start, count)
     assert accepted_total > 0  # the drafts were sometimes right, so the loop was exercised
+
+
+def test_argmax_rows_breaks_ties_and_nans_like_torch() -> None:
+    """The NumPy argmax greedy verification uses picks the same index as ``torch.argmax``:
+    the first of equal maxima, the first NaN when a row has one, in float32 and float64."""
+    from lyanna.sampling import argmax_rows
+
+    nan = float("nan")
+    rows = torch.tensor(
+        [[1.0, 3.0, 3.0, 2.0], [nan, 1.0, nan, 0.0], [0.0, 0.0, 0.0, 0.0], [-1.0, -5.0, -1.0, -2.0]]
+    )
+    gen = torch.Generator().manual_seed(0)
+    wide = torch.randint(-3, 3, (6, 4096), generator=gen).float()  # many ties
+    for x in (rows, rows.double(), wide, wide[:, ::2], wide.T.contiguous().T):
+        assert argmax_rows(x) == x.argmax(dim=-1).tolist()
