@@ -8,17 +8,21 @@ Each method first runs the prompts without a profiler (wall-clock draft ms per s
 again under ``torch.profiler`` whose ``record_function`` scopes (``lyanna.drafters.scopes``)
 split the draft time; the profiler's own overhead inflates the small-op share, so the split
 is reported as shares of the profiled draft time and applied to the unprofiled wall clock.
+Beside it: the weight bytes one draft depth reads (input projection, layer(s), hot LM head)
+and the time that takes at the machine's measured streaming rate, the floor of a depth.
 """
 
 from __future__ import annotations
 
 import argparse
 
+import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.common import add_run_args, describe_tree, method_budget, print_table, set_threads
+from bench.engine_vs_peers import bandwidth
 from bench.spec_bench import BenchSetup
-from lyanna.drafters import DraftBudget, make_drafter
+from lyanna.drafters import DraftBudget, Drafter, make_drafter
 from lyanna.drafters.scopes import LAYER_SCOPE, LM_HEAD_SCOPE, SOFTMAX_SCOPE
 from lyanna.engine import EngineConfig, SpecEngine
 from lyanna.sampling import SamplingParams
@@ -26,6 +30,33 @@ from lyanna.sequence import Sequence
 from lyanna.stats import SpecStats
 
 SCOPES = (LAYER_SCOPE, LM_HEAD_SCOPE, SOFTMAX_SCOPE)
+
+
+def module_bytes(module: torch.nn.Module) -> int:
+    """Bytes of every weight under ``module`` in its serving format (4-bit and Q8_0 packs
+    with their scales, oneDNN-packed and plain weights)."""
+    total = 0
+    for sub in module.modules():
+        for name in ("packed", "scales", "weight"):
+            t = getattr(sub, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def depth_bytes(drafter: Drafter) -> int:
+    """Weight bytes one draft depth reads: the drafter's network for one node (EAGLE-2's
+    ``fc`` and layer, Lyanna's ``fc`` and layer, the SPS student's layers) and its hot head;
+    0 for drafters without weights (n-gram)."""
+    if hasattr(drafter, "head"):  # EAGLE-2
+        parts = [drafter.head.fc, drafter.head.layer]
+    elif hasattr(drafter, "draft"):  # Lyanna
+        parts = [drafter.draft.fc, drafter.draft.layer]
+    elif hasattr(drafter, "student"):  # SPS
+        parts = list(drafter.student.layers)
+    else:
+        return 0
+    return sum(module_bytes(m) for m in [*parts, drafter.lm_head])
 
 
 def run(setup: BenchSetup, method: str, budget: DraftBudget, params: SamplingParams) -> SpecStats:
@@ -46,6 +77,7 @@ def main() -> None:
     set_threads(args.threads)
     setup = BenchSetup.load(per_category=args.limit_per_category, weights=args.weights)
     params = SamplingParams(max_tokens=args.max_tokens)
+    rate = bandwidth()
     rows = []
     for method in args.methods.split(","):
         budget = method_budget(args, method, setup.model)
@@ -58,13 +90,21 @@ def main() -> None:
         total = profiled.draft_seconds
         shares = [t / total for t in scoped] + [max(0.0, 1 - sum(scoped) / total)]
         per_step_ms = 1e3 * plain.draft_seconds / plain.num_steps
+        nbytes = depth_bytes(make_drafter(method, setup.model, budget))
         rows.append(
-            [method, per_step_ms, *[per_step_ms * s for s in shares], *[100 * s for s in shares]]
+            [
+                method,
+                per_step_ms,
+                *[per_step_ms * s for s in shares],
+                *[100 * s for s in shares],
+                nbytes / 1e6,
+                1e3 * nbytes / rate,
+            ]
         )
     print(
         f"\nDraft step breakdown: {setup.num_prompts} prompts, batch 1, {describe_tree(args)}; "
-        "ms per draft step (wall clock) split by "
-        "profiler shares\n"
+        "ms per draft step (wall clock) split by profiler shares; weights one depth reads "
+        f"and their floor at {rate / 1e9:.1f} GB/s\n"
     )
     print_table(
         [
@@ -78,6 +118,8 @@ def main() -> None:
             "LM head %",
             "softmax %",
             "sampling+tree %",
+            "weights MB/depth",
+            "floor ms/depth",
         ],
         rows,
     )
