@@ -118,7 +118,10 @@ def forward_seconds(
 ) -> dict[int, float]:
     """Median seconds of a verification forward (+ LM head on every row) over each number
     of new rows, behind ``context`` cached ones (nothing is committed). The row counts take
-    turns within each repeat, so a burst of load on a shared machine hits them alike."""
+    turns within each repeat, and each count's extra cost over one row is the median of
+    differences with a 1-row forward run just before it: on a machine whose speed drifts,
+    separately taken medians once put 2 rows at the cost of 1 (measured 4.955 vs 4.975 ms)
+    where adjacent pairs see the 10-20 % a second row costs."""
     device = model.embed_tokens.weight.device
     cache = model.new_cache(1, context + max(rows) + 1)
     slot = torch.tensor([cache.allocate()], device="cpu")
@@ -138,16 +141,31 @@ def forward_seconds(
         )
         for r in rows
     }
-    times: dict[int, list[float]] = {r: [] for r in rows}
+
+    def timed(r: int) -> float:
+        tokens, positions = inputs[r]
+        start = time.perf_counter()
+        model.logits(model(tokens, positions, cache, slot))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    paired = 1 in rows and len(rows) > 1
+    times: dict[int, list[float]] = {r: [] for r in rows}  # paired: extra seconds over 1 row
     for i in range(repeats + 2):  # two warm-up rounds; row counts take turns (see measure)
-        for r, (tokens, positions) in inputs.items():
-            start = time.perf_counter()
-            model.logits(model(tokens, positions, cache, slot))
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+        for r in rows:
+            if paired and r == 1:
+                continue  # timed before every other count instead
+            base = timed(1) if paired else 0.0
+            seconds = timed(r) - base
             if i >= 2:
-                times[r].append(time.perf_counter() - start)
-    return {r: sorted(ts)[len(ts) // 2] for r, ts in times.items()}
+                times[r].append(seconds)
+                if paired:
+                    times[1].append(base)
+    median = {r: sorted(ts)[len(ts) // 2] for r, ts in times.items()}
+    if paired:
+        return {r: median[1] + (max(median[r], 0.0) if r != 1 else 0.0) for r in rows}
+    return median
 
 
 def verify_cost(model: Transformer) -> VerifyCost:
@@ -157,7 +175,7 @@ def verify_cost(model: Transformer) -> VerifyCost:
     if runs_q4(model):  # the native decoder's cost curve is its own build's
         weights = f"q4-native-{build_key()}" if model.native is not None else "q4"
     device = model.embed_tokens.weight.device
-    kind = f"verify_cost|{weights}|{model.dtype}|{device.type}"
+    kind = f"verify_cost2|{weights}|{model.dtype}|{device.type}"  # 2: paired timings
 
     def measure_curve() -> dict:
         seconds = forward_seconds(model, COST_ROWS)
