@@ -227,3 +227,33 @@ def test_a_4bit_target_drafts_one_token_by_default_everywhere(tmp_path, monkeypa
         assert DrafterConfig(method=method, tree="fixed").budget(q4) == one
         assert method_budget(flags, method, q4) == one
         assert method_budget(flags, method, dense) == deep
+
+
+def test_forward_seconds_pairs_every_row_count_with_a_one_row_forward(monkeypatch) -> None:
+    """The cost curve's row counts are timed as differences with a 1-row forward run just
+    before them. On a fake clock where a forward over r rows costs 1 + 0.25 (r - 1) seconds
+    plus an offset that grows with every call (a machine slowing down while it is measured),
+    the pairs recover each increment to within one call's drift, where timing each count on
+    its own in turn would shift the later counts by the drift of every forward before them."""
+    from lyanna.model import calibrate
+    from tests.conftest import make_tiny_model
+
+    model = make_tiny_model(1, vocab_size=32)
+    clock = {"now": 0.0, "calls": 0}
+    real_forward = type(model).forward
+
+    def fake_forward(self, tokens, positions, cache, slots, tree_mask=None):
+        out = real_forward(self, tokens, positions, cache, slots, tree_mask)
+        clock["calls"] += 1
+        clock["now"] += 1.0 + 0.25 * (tokens.shape[1] - 1) + 0.01 * clock["calls"]
+        return out
+
+    monkeypatch.setattr(type(model), "forward", fake_forward)
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock["now"])
+    rows = (1, 2, 4, 8)
+    seconds = calibrate.forward_seconds(model, rows, context=8, repeats=5)
+    base = seconds[1]
+    for r in rows[1:]:
+        assert seconds[r] - base == pytest.approx(0.25 * (r - 1), abs=0.011)
+    alone = calibrate.forward_seconds(model, (2, 4), context=8, repeats=3)  # no 1-row count
+    assert set(alone) == {2, 4} and alone[4] > alone[2]
