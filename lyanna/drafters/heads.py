@@ -11,7 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lyanna.model.cpu_kernels import PackedLinear, prepack_linears, prepacking_available
+from lyanna.model.cpu_kernels import (
+    PackedLinear,
+    bf16_prepacking_supported,
+    prepack_linears,
+    prepacking_available,
+)
 from lyanna.model.native import load_decoder, use_native_layers
 from lyanna.model.quant import (
     GROUP,
@@ -61,11 +66,11 @@ def embedding_blocks(target: nn.Module) -> BlockLinear | None:
 
 def draft_weight_dtype(target: nn.Module) -> torch.dtype | None:
     """The dtype a drafter's layers and head compute in next to ``target``: bf16 when the
-    target runs 4-bit weights (chosen only where bf16 products have a fast path, see
-    ``lyanna.model.calibrate``), else the weights' own. A draft step is bound by reading its
-    weights (one layer and an 8k-row head: about 33 MB in fp32 per depth), so half the bytes
-    is nearly half the time; drafting stays lossless whatever the drafter computes."""
-    return torch.bfloat16 if runs_q4(target) else None
+    target runs 4-bit weights and oneDNN has a bf16 path on this CPU (AVX-512 or
+    AVX-NE-CONVERT; an AVX2-only CPU keeps fp32), else the weights' own. A draft step is bound
+    by reading its weights (one layer and an 8k-row head: about 33 MB in fp32 per depth), so
+    half the bytes is nearly half the time; drafting stays lossless whatever it computes in."""
+    return torch.bfloat16 if runs_q4(target) and bf16_prepacking_supported() else None
 
 
 def prepare_draft_layers(module: nn.Module, dtype: torch.dtype | None, q4_layers: bool) -> None:

@@ -44,7 +44,8 @@ def _cpu_name() -> str:
 def _key(config: ModelConfig) -> str:
     c = config
     shape = f"{c.num_layers}x{c.hidden_size}x{c.intermediate_size}x{c.vocab_size}"
-    return f"{_cpu_name()}|{torch.__version__}|{torch.get_num_threads()}t|{shape}"
+    isa = torch.backends.cpu.get_cpu_capability()  # one model name spans CPU generations
+    return f"{_cpu_name()}|{isa}|{torch.__version__}|{torch.get_num_threads()}t|{shape}"
 
 
 def _linear_shapes(config: ModelConfig) -> list[tuple[int, int]]:

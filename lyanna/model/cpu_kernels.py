@@ -9,6 +9,8 @@ swapped for ``PackedLinear`` at load time. GPU models keep plain ``nn.Linear``.
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 from torch import nn
 
@@ -24,18 +26,32 @@ def prepacking_available(weight: torch.Tensor) -> bool:
     )
 
 
+@cache
+def bf16_prepacking_supported() -> bool:
+    """Whether oneDNN can prepack bf16 weights here: it needs AVX-512 (BW/VL/DQ) or
+    AVX-NE-CONVERT, so AVX2-only CPUs (e.g. AMD Zen 3) refuse, and those keep fp32."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
+
+
 class PackedLinear(nn.Module):
     """A bias-free Linear whose weight lives in oneDNN's blocked layout (inference only).
     With ``dtype`` (bf16: half the bytes of fp32, e.g. the LM head of 4-bit models) the weight
-    is stored and multiplied in it; inputs are cast to it and outputs back to theirs."""
+    is stored and multiplied in it; inputs are cast to it and outputs back to theirs. A CPU
+    without oneDNN's bf16 path keeps the bf16-rounded weights in fp32 (twice the bytes)."""
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         super().__init__()  # weight [out, in]
         self.out_features, self.in_features = weight.shape
         self.dtype = dtype or weight.dtype
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(
-            weight.detach().to(self.dtype), PACK_BATCH_HINT
-        )
+        weight = weight.detach().to(self.dtype)
+        if self.dtype == torch.bfloat16 and not bf16_prepacking_supported():
+            self.dtype = torch.float32
+            weight = weight.float()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # .to() is free when dtypes agree
         out = torch.ops.mkldnn._linear_pointwise(

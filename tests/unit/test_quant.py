@@ -156,21 +156,37 @@ def test_auto_weights_follow_the_measurement_and_cache_it(tmp_path: Path, monkey
 
 def test_drafters_compute_in_bf16_next_to_a_q4_target(tmp_path: Path) -> None:
     from lyanna.drafters.heads import draft_weight_dtype, hot_lm_head
-    from lyanna.model.cpu_kernels import PackedLinear
+    from lyanna.model.cpu_kernels import PackedLinear, bf16_prepacking_supported
 
+    bf16 = torch.bfloat16 if bf16_prepacking_supported() else None  # AVX2-only CPUs: fp32
     gguf_file = tmp_path / "tiny-q4.gguf"
     _write_q4_gguf(gguf_file, "Q4_1")
-    assert draft_weight_dtype(load_model(gguf_file, weights="q4")) == torch.bfloat16
+    assert draft_weight_dtype(load_model(gguf_file, weights="q4")) == bf16
     assert draft_weight_dtype(load_model(gguf_file, weights="fp32")) is None
     gen = torch.Generator().manual_seed(2)
     embedding = torch.randn(40, 64, generator=gen)
     hot = torch.tensor([3, 1, 30, 7])
     head = hot_lm_head(embedding, hot, torch.bfloat16)
-    assert isinstance(head, PackedLinear) and head.dtype == torch.bfloat16
+    assert isinstance(head, PackedLinear) and head.dtype == (bf16 or torch.float32)
     x = torch.randn(2, 5, 64, generator=gen)
     got, expected = head(x), x @ embedding[hot].T
     assert got.dtype == torch.float32  # the caller's dtype: only the product runs in bf16
     assert (got - expected).norm() / expected.norm() < 1e-2
+
+
+def test_bf16_prepacking_falls_back_to_the_rounded_weights_in_fp32(monkeypatch) -> None:
+    """A CPU without oneDNN's bf16 path (AVX2 only) gets the bf16-rounded weights in fp32:
+    (inputs stay fp32), not a crash at load."""
+    from lyanna.model import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "bf16_prepacking_supported", lambda: False)
+    gen = torch.Generator().manual_seed(5)
+    weight, x = torch.randn(24, 32, generator=gen), torch.randn(3, 32, generator=gen)
+    linear = cpu_kernels.PackedLinear(weight, torch.bfloat16)
+    assert linear.dtype == torch.float32
+    rounded = weight.to(torch.bfloat16).float()
+    assert not torch.equal(rounded, weight)
+    torch.testing.assert_close(linear(x), x @ rounded.T, rtol=1e-5, atol=1e-5)
 
 
 def test_quantize_q4_1_moves_each_weight_by_at_most_half_a_step() -> None:
