@@ -2,6 +2,7 @@
 
     python -m bench.spec_bench --methods all --limit-per-category 4 [--batch-size 1]
         [--temperature 0] [--max-tokens 128] [--tree cost|fixed] [--depth D --top-k K --budget B]
+        [--gate on|off|both]
         [--questions PATH] [--json results.json]
 
 Prints, per method and per category: end-to-end tokens/s (prefill included), decode-only
@@ -268,6 +269,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--gate",
+        choices=("on", "off", "both"),
+        default="on",
+        help="per-sequence draft gate (cost trees only); both: each method also as <m>-ungated",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     set_threads(args.threads)
@@ -279,13 +286,19 @@ def main() -> None:
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
     )
-    results = run_methods(
-        setup,
-        methods or ["ngram"],
-        args.batch_size,
-        params,
-        lambda method: method_budget(args, method, setup.model),
-    )
+    methods = methods or ["ngram"]
+
+    def budget_of(method: str) -> DraftBudget:
+        return method_budget(args, method, setup.model)
+
+    factories: dict[str, Callable[[], Drafter]] = {}
+    if args.gate != "on":
+        for m in [m for m in methods if m != "ar"]:
+            name = m if args.gate == "off" else f"{m}-ungated"
+            factories[name] = lambda m=m: make_drafter(m, setup.model, budget_of(m), gate=False)
+            if args.gate == "both":
+                methods.insert(methods.index(m) + 1, name)
+    results = run_methods(setup, methods, args.batch_size, params, budget_of, factories=factories)
     print(
         f"\nSpec-Bench: {setup.num_prompts} prompts, batch {args.batch_size}, "
         f"T={args.temperature}, max {args.max_tokens} tokens, {describe_tree(args)}\n"

@@ -1,0 +1,148 @@
+"""Draft only where drafting pays: a per-sequence gate in front of any drafter.
+
+A speculative step costs the draft time D plus the extra verification rows, T(B + w) - T(B)
+for w draft nodes next to the batch's B roots; it earns the draft tokens accepted. At the rate
+plain decoding makes tokens (B / T(B)), a sequence is worth drafting for while
+
+    accepted per drafted step * T(B) / B  >=  D + T(B + w) - T(B).
+
+Acceptance comes in runs (a list, code, a quoted passage are easy to draft; free prose is
+not), so each sequence keeps a running average of the tokens accepted per drafted step and
+drafts only while it pays; a gated-off sequence re-measures by drafting once after a few
+plain steps (then after twice as many while it still does not pay). Where no drafted token
+pays at all, as for a 4-bit target on a CPU whose second row costs 40 % of a step, this is
+plain decoding with an occasional probe instead of a speculative method slower than it.
+
+Lossless by construction: a gated-off sequence verifies a root-only tree (a plain decode
+step), and the wrapped drafter still sees every verified step (its state keeps up).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from lyanna.drafters.base import Drafter, VerifiedStep
+from lyanna.tree import TokenTree
+from lyanna.tree_cost import VerifyCost
+
+
+@dataclass(frozen=True, slots=True)
+class GateConfig:
+    alpha: float = 0.3  # weight of the newest drafted step in the running averages
+    prior: float = 1.0  # a new sequence's expected accepted tokens per drafted step: draft
+    probe_after: int = 4  # plain steps before a gated-off sequence drafts once to re-measure
+    probe_max: int = 32  # the wait doubles after each probe that does not pay, up to this
+
+    def __post_init__(self) -> None:
+        if not 0 < self.alpha <= 1 or self.prior < 0:
+            raise ValueError("alpha must be in (0, 1] and prior >= 0")
+        if not 1 <= self.probe_after <= self.probe_max:
+            raise ValueError("need 1 <= probe_after <= probe_max")
+
+
+@dataclass(slots=True)
+class _SeqGate:
+    accepted: float  # running average of draft tokens accepted per drafted step
+    width: float = 1.0  # running average of draft nodes per drafted step
+    waited: int = 0  # plain steps since the last drafted one
+    probe_after: int = 0
+    drafted: bool = False  # whether the step in flight was drafted
+
+
+class DraftGate:
+    """The decision alone (no drafter, no tensors), so it is tested on its own."""
+
+    def __init__(self, cost: VerifyCost, config: GateConfig | None = None) -> None:
+        self.cost = cost
+        self.config = config or GateConfig()
+        self.draft_seconds = 0.0  # running average of draft seconds per drafted sequence
+        self._seqs: dict[int, _SeqGate] = {}
+
+    def start(self, seq_id: int) -> None:
+        self._seqs[seq_id] = _SeqGate(self.config.prior, probe_after=self.config.probe_after)
+
+    def release(self, seq_id: int) -> None:
+        self._seqs.pop(seq_id, None)
+
+    def pays(self, seq_id: int, batch: int) -> bool:
+        """Whether drafting ``seq_id`` raises the step's expected tokens per second."""
+        gate = self._seqs[seq_id]
+        step = self.cost.forward_seconds(batch)
+        rows = self.cost.forward_seconds(batch + max(1, round(gate.width))) - step
+        return gate.accepted * step / batch >= self.draft_seconds + rows
+
+    def choose(self, seq_ids: list[int]) -> list[bool]:
+        """Which of this step's sequences draft: those that pay, and those due a probe."""
+        chosen = []
+        for seq_id in seq_ids:
+            gate = self._seqs[seq_id]
+            gate.drafted = self.pays(seq_id, len(seq_ids)) or gate.waited >= gate.probe_after
+            chosen.append(gate.drafted)
+        return chosen
+
+    def drafted(self, seconds: float, widths: dict[int, int]) -> None:
+        """A propose call took ``seconds`` for the sequences in ``widths`` (draft nodes each)."""
+        alpha = self.config.alpha
+        if widths:
+            per_seq = seconds / len(widths)
+            self.draft_seconds += alpha * (per_seq - self.draft_seconds)
+        for seq_id, width in widths.items():
+            gate = self._seqs[seq_id]
+            gate.width += alpha * (width - gate.width)
+
+    def verified(self, seq_id: int, num_accepted: int) -> None:
+        gate = self._seqs[seq_id]
+        if not gate.drafted:
+            gate.waited += 1
+            return
+        gate.accepted += self.config.alpha * (num_accepted - gate.accepted)
+        was_probe, gate.waited = gate.waited > 0, 0
+        if self.pays(seq_id, 1):
+            gate.probe_after = self.config.probe_after
+        elif was_probe:
+            gate.probe_after = min(2 * gate.probe_after, self.config.probe_max)
+
+
+class GatedDrafter:
+    """``inner`` drafting only for the sequences its ``DraftGate`` lets through; the others
+    get root-only trees. Every other attribute is the inner drafter's."""
+
+    def __init__(self, inner: Drafter, gate: DraftGate) -> None:
+        self.inner = inner
+        self.gate = gate
+        self.scheme = inner.scheme
+        self.needs_hidden = inner.needs_hidden
+        self._roots: dict[int, int] = {}
+        self.num_gated_steps = 0  # sequence-steps that skipped drafting
+
+    def __getattr__(self, name: str):  # only called for names not found on the wrapper
+        return getattr(self.__dict__["inner"], name)
+
+    def start(self, seq_id, prompt_ids, prompt_hidden, first_token, params=None) -> None:
+        self.inner.start(seq_id, prompt_ids, prompt_hidden, first_token, params)
+        self.gate.start(seq_id)
+        self._roots[seq_id] = first_token
+
+    def propose(self, seq_ids: list[int]) -> list[TokenTree]:
+        chosen = self.gate.choose(seq_ids)
+        drafting = [s for s, c in zip(seq_ids, chosen, strict=True) if c]
+        trees: dict[int, TokenTree] = {}
+        if drafting:
+            start = time.perf_counter()
+            trees = dict(zip(drafting, self.inner.propose(drafting), strict=True))
+            widths = {s: tree.num_drafted for s, tree in trees.items()}
+            self.gate.drafted(time.perf_counter() - start, widths)
+        self.num_gated_steps += len(seq_ids) - len(drafting)
+        return [trees[s] if s in trees else TokenTree.root_only(self._roots[s]) for s in seq_ids]
+
+    def on_verified(self, steps: list[VerifiedStep]) -> None:
+        self.inner.on_verified(steps)
+        for step in steps:
+            self.gate.verified(step.seq_id, step.num_accepted)
+            self._roots[step.seq_id] = step.next_token
+
+    def release(self, seq_id: int) -> None:
+        self.inner.release(seq_id)
+        self.gate.release(seq_id)
+        self._roots.pop(seq_id, None)

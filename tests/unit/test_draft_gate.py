@@ -1,0 +1,111 @@
+"""The per-sequence draft gate: drafts while drafting pays, probes with doubling waits while it
+does not, and stays lossless around any drafter."""
+
+from __future__ import annotations
+
+import pytest
+
+from lyanna.decode import generate
+from lyanna.drafters.base import DraftBudget
+from lyanna.drafters.eagle import EagleDrafter
+from lyanna.drafters.gate import DraftGate, GateConfig, GatedDrafter
+from lyanna.drafters.ngram import NgramDrafter
+from lyanna.sampling import SamplingParams
+from lyanna.sequence import Sequence
+from lyanna.tree_cost import VerifyCost
+from tests.conftest import make_tiny_model
+from tests.unit.test_eagle import PROMPTS, random_head, run_engine
+
+# a second row costs half a step: a drafted step pays from 0.5 accepted tokens on
+HALF_STEP_ROW = VerifyCost((1, 2), (1.0, 1.5))
+
+
+def drafted_steps(gate: DraftGate, accepted_if_drafted, steps: int) -> list[int]:
+    gate.start(0)
+    drafted = []
+    for step in range(steps):
+        (chosen,) = gate.choose([0])
+        if chosen:
+            drafted.append(step)
+        gate.verified(0, accepted_if_drafted(step) if chosen else 0)
+    return drafted
+
+
+def test_a_sequence_whose_drafts_pay_always_drafts() -> None:
+    gate = DraftGate(HALF_STEP_ROW)
+    assert drafted_steps(gate, lambda step: 1, 50) == list(range(50))
+
+
+def test_a_sequence_whose_drafts_fail_probes_after_doubling_waits() -> None:
+    # average 1 -> 0.7 (still pays) -> 0.49: off; probes after 4, 8, 16 plain steps, then 32
+    gate = DraftGate(HALF_STEP_ROW, GateConfig(alpha=0.3, prior=1.0, probe_after=4, probe_max=32))
+    assert drafted_steps(gate, lambda step: 0, 100) == [0, 1, 6, 15, 32, 65, 98]
+
+
+def test_a_probe_that_pays_turns_drafting_back_on() -> None:
+    gate = DraftGate(HALF_STEP_ROW)
+    # rejected until step 10, accepted from then on: the probe at step 15 finds it
+    drafted = drafted_steps(gate, lambda step: int(step >= 10), 40)
+    assert drafted == [0, 1, 6, *range(15, 40)]
+
+
+def test_draft_time_raises_the_bar() -> None:
+    gate = DraftGate(HALF_STEP_ROW, GateConfig(alpha=1.0))
+    gate.start(0)
+    gate._seqs[0].accepted = 0.6
+    assert gate.pays(0, batch=1)  # 0.6 * 1.0 >= 0 + 0.5
+    gate.drafted(0.2, {0: 1})  # 0.2 s of drafting per sequence now
+    assert not gate.pays(0, batch=1)  # 0.6 < 0.2 + 0.5
+
+
+def test_in_a_batch_the_bar_is_the_rows_cost_against_a_share_of_the_step() -> None:
+    # 4 roots cost 2.0 (0.5 per token); a 5th row costs 0.1: 0.3 tokens pay there
+    gate = DraftGate(VerifyCost((1, 4, 5), (1.0, 2.0, 2.1)))
+    gate.start(0)
+    gate._seqs[0].accepted = 0.3
+    assert gate.pays(0, batch=4)
+    assert not gate.pays(0, batch=1)  # alone, the second row costs 0.5 of a 1.0 step
+
+
+def test_bad_gate_settings_are_refused() -> None:
+    with pytest.raises(ValueError):
+        GateConfig(alpha=0.0)
+    with pytest.raises(ValueError):
+        GateConfig(probe_after=8, probe_max=4)
+
+
+# a second row dearer than two whole steps: no drafted token can pay
+NEVER_PAYS = VerifyCost((1, 2), (1.0, 3.0))
+
+
+@pytest.mark.parametrize("max_batch", [1, 3])
+def test_a_gated_eagle_drafter_stays_lossless_and_in_sync(max_batch: int) -> None:
+    model = make_tiny_model(2, vocab_size=16)
+    budget = DraftBudget(2, 2, 3, cost=NEVER_PAYS)
+    inner = EagleDrafter(model, random_head(model), budget, max_seqs=max_batch, max_len=256)
+    drafter = GatedDrafter(inner, DraftGate(NEVER_PAYS, GateConfig(probe_after=2)))
+    engine, seqs = run_engine(model, drafter, PROMPTS, max_batch)
+    while engine.has_work:
+        engine.step()
+        for seq_id, slot in engine.slots.items():  # draft KV (+ queued rows) == target KV
+            state = inner._seqs[seq_id]
+            num_rows = int(inner.cache.lengths[state.slot]) + len(state.pending_tokens)
+            assert num_rows == int(engine.cache.lengths[slot])
+    expected = [Sequence(i, p, SamplingParams(max_tokens=24)) for i, p in enumerate(PROMPTS)]
+    generate(model, expected)
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in expected]
+    assert drafter.num_gated_steps > engine.stats.num_steps // 2  # mostly plain steps
+    assert inner.cache.num_free_slots == max_batch and not inner._seqs and not drafter._roots
+
+
+def test_a_gated_ngram_drafter_keeps_drafting_a_repetitive_sequence() -> None:
+    model = make_tiny_model(3, vocab_size=16)
+    free_rows = VerifyCost((1, 2, 16), (1.0, 1.0, 1.0))  # rows cost nothing: drafting pays
+    drafter = GatedDrafter(NgramDrafter(DraftBudget(3, 1, 3)), DraftGate(free_rows))
+    engine, seqs = run_engine(model, drafter, [[4, 4, 4, 4, 4, 4]], max_batch=1, max_tokens=32)
+    engine.run()
+    expected = [Sequence(0, [4, 4, 4, 4, 4, 4], SamplingParams(max_tokens=32))]
+    generate(model, expected)
+    assert seqs[0].output_ids == expected[0].output_ids
+    assert drafter.num_gated_steps == 0 and engine.stats.num_drafted > 0
+    assert drafter.budget is drafter.inner.budget  # other attributes are the inner drafter's
