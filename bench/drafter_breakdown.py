@@ -63,7 +63,7 @@ def run(setup: BenchSetup, method: str, budget: DraftBudget, params: SamplingPar
     drafter = make_drafter(method, setup.model, budget)
     stats = SpecStats()
     for i, prompt in enumerate(p for ps in setup.prompts.values() for p in ps):
-        engine = SpecEngine(setup.model, drafter, EngineConfig(max_batch=1, max_len=2048))
+        engine = SpecEngine(setup.model, drafter, EngineConfig(max_running=1, max_len=2048))
         engine.submit(Sequence(i, prompt, params, setup.eos))
         stats.merge(engine.run())
     return stats

@@ -31,7 +31,7 @@ PROMPT = "Count from 1 to 20, separated by commas."
 
 def sample_prefixes(model, method: str, prompt: list[int], runs: int, tokens: int, batch: int):
     drafter = make_drafter(method, model, tree_budget(method, model))
-    engine = SpecEngine(model, drafter, EngineConfig(max_batch=batch, max_len=len(prompt) + 300))
+    engine = SpecEngine(model, drafter, EngineConfig(max_running=batch, max_len=len(prompt) + 300))
     seqs = [
         Sequence(i, prompt, SamplingParams(1.0, max_tokens=tokens, seed=10_000 * i + 7))
         for i in range(runs)

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--method", default="lyanna")
     parser.add_argument("--model", help="HF directory or .gguf (default: SmolLM2-135M)")
     args = parser.parse_args(argv)
-    extra = ["--method", args.method, "--max-batch", str(max(args.concurrency))]
+    extra = ["--method", args.method, "--max-running", str(max(args.concurrency))]
     if args.model:
         extra += ["--model", args.model]
     prompts = load_prompts()

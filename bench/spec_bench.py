@@ -90,7 +90,6 @@ def run_batch(
     engine_factory, prompts: list[list[int]], params: SamplingParams, eos
 ) -> tuple[Tally, list[list[int]]]:
     engine = engine_factory()
-    resampled_before = getattr(engine.drafter, "num_resampled_accepted", 0)
     seqs = [Sequence(i, p, params, eos) for i, p in enumerate(prompts)]
     start = time.perf_counter()
     for seq in seqs:
@@ -99,9 +98,7 @@ def run_batch(
     seconds = time.perf_counter() - start
     tally = Tally(sum(len(s.output_ids) for s in seqs), seconds, stats.prefill_seconds)
     tally.stats = stats
-    tally.resampled_accepted = (
-        getattr(engine.drafter, "num_resampled_accepted", 0) - resampled_before
-    )
+    tally.resampled_accepted = stats.num_resampled_accepted
     return tally, [s.output_ids for s in seqs]
 
 
@@ -168,7 +165,7 @@ def run_methods(
         methods = ["ar", *methods]
     ar_outputs, ar_tallies = reference.outputs, reference.tallies
     longest = max(len(p) for ps in setup.prompts.values() for p in ps)
-    config = EngineConfig(max_batch=batch_size, max_len=longest + params.max_tokens + TREE_ROWS)
+    config = EngineConfig(max_running=batch_size, max_len=longest + params.max_tokens + TREE_ROWS)
     warmup_prompt = next(iter(setup.prompts.values()))[0]
     groups = setup.prompts  # batches form within a category, unless one is too small to fill
     if any(len(prompts) < batch_size for prompts in groups.values()):

@@ -108,7 +108,7 @@ def _add_serve(sub) -> None:
         "target's cost curve, measured once per machine); fixed: every method's full "
         "default budget (env LYANNA_TREE)",
     )
-    serve.add_argument("--max-batch", type=int, default=8, help="running sequences per engine")
+    serve.add_argument("--max-running", type=int, default=8, help="running sequences per engine")
     serve.add_argument("--max-len", type=int, default=2048, help="KV rows per sequence")
     serve.add_argument("--max-waiting", type=int, default=64, help="queue bound (then 429)")
     serve.add_argument(

@@ -1,13 +1,17 @@
-"""The embedded backend: drafter and verifier in this process, one ``SpecEngine`` per method.
+"""The embedded backend: drafter and verifier in this process, one engine for every method.
 
-A single worker thread owns every engine (engines are not thread-safe, and torch releases the
-GIL inside its kernels, so the event loop stays responsive). The event loop talks to it only
-through a command queue (submit, abort, stop); the worker steps each engine that has work in
-turn and hands every emitted delta to the request's ``asyncio.Queue`` with
-``loop.call_soon_threadsafe``. Engines are created lazily from the drafter registry; the
-default method's engine is built at start, falling back along ``fallback_methods`` (logged)
-when its checkpoint is missing. A consumer that closes its iterator early (client gone) aborts
-the sequence, which frees its KV slot and drafter state.
+One ``SpecEngine`` holds the target and its KV cache; each method is a drafter registered on
+it, so requests that use different methods share every target forward (a mixed-method batch
+is one verification). A single worker thread owns the engine (it is not thread-safe, and
+torch releases the GIL inside its kernels, so the event loop stays responsive). The event
+loop talks to it only through a command queue (submit, abort, stop); the worker admits and
+steps the engine and hands every emitted delta to the request's ``asyncio.Queue`` with
+``loop.call_soon_threadsafe``. Drafters are built lazily from the registry; the default
+method is built at start, falling back along ``fallback_methods`` (logged) when its
+checkpoint is missing. A drafter that raises is dropped (its method reports degraded); a
+step that fails fails the requests in it, and the engine goes on with new ones. A consumer
+that closes its iterator early (client gone) aborts the sequence, which frees its KV slot
+and drafter state.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
@@ -37,23 +40,24 @@ from lyanna.drafters import (
     make_drafter,
     tree_budget,
 )
-from lyanna.engine import Emitted, EngineConfig, SpecEngine
+from lyanna.drafters.base import Drafter, NoDrafter
+from lyanna.engine import DrafterError, EngineConfig, SpecEngine
 from lyanna.model.transformer import Transformer
 from lyanna.sampling import SamplingParams
+from lyanna.scheduler import TREE_MARGIN, Emitted
 from lyanna.sequence import Sequence
-from lyanna.stats import SpecStats
 
 logger = logging.getLogger(__name__)
 
-ENGINE_MARGIN = 64  # KV rows SpecEngine.submit keeps free beyond prompt + max_tokens
-ENGINE_BUILD_ERRORS = (OSError, ValueError, RuntimeError, KeyError)  # missing/mismatched ckpt
+TARGET_ONLY = "ar"  # plain decoding: always served, by the engine's own NoDrafter
+METHOD_BUILD_ERRORS = (OSError, ValueError, RuntimeError, KeyError)  # missing/mismatched ckpt
 
 
 @dataclass(frozen=True, slots=True)
 class EmbeddedConfig:
     default_method: str = "lyanna"
     fallback_methods: tuple[str, ...] = ("eagle", "ngram", "ar")
-    max_batch: int = 8  # running sequences per engine (the drafters hold state for 16)
+    max_running: int = 8  # sequences decoding at once, all methods together
     max_len: int = 2048  # KV rows per sequence
     max_waiting: int = 64  # requests waiting for their first token before BackendBusy
     queue_timeout: float = 60.0  # seconds a request may wait for its first token (BackendBusy)
@@ -68,9 +72,9 @@ class EmbeddedConfig:
                 raise ValueError(f"unknown method {method!r}; known: {sorted(DRAFTERS)}")
         if self.tree not in TREE_MODES:
             raise ValueError(f"tree must be one of {TREE_MODES}, got {self.tree!r}")
-        if not 1 <= self.max_batch <= 16:
-            raise ValueError("max_batch must be in [1, 16]")
-        if self.max_len <= 2 * ENGINE_MARGIN or self.max_waiting < 1 or self.drain_seconds < 0:
+        if not 1 <= self.max_running <= 16:
+            raise ValueError("max_running must be in [1, 16]")
+        if self.max_len <= 2 * TREE_MARGIN or self.max_waiting < 1 or self.drain_seconds < 0:
             raise ValueError("max_len must exceed 128, max_waiting >= 1, drain_seconds >= 0")
         if self.queue_timeout <= 0:
             raise ValueError("queue_timeout must be > 0")
@@ -78,8 +82,7 @@ class EmbeddedConfig:
 
 @dataclass(slots=True, eq=False)
 class _Handle:
-    sequence: Sequence
-    method: str
+    sequence: Sequence  # its method names the drafter that serves it
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
@@ -112,24 +115,23 @@ class EmbeddedBackend:
         self.model = model
         self._eos = eos_token_ids
         self._max_len = min(self.config.max_len, model.config.max_position_embeddings)
-        self.max_context = self._max_len - ENGINE_MARGIN
+        self.max_context = self._max_len - TREE_MARGIN
         self.methods = tuple(DRAFTERS)
         self.default_method = self.config.default_method
-        self._engines: dict[str, SpecEngine] = {}
-        self._broken: dict[str, str] = {}  # method -> why its engine could not be built
+        self.engine: SpecEngine | None = None  # built by start()
+        self._broken: dict[str, str] = {}  # method -> why it cannot serve (logged in full)
         self._handles: dict[int, _Handle] = {}  # worker thread only
-        self._pending: dict[str, deque[_Handle]] = {}  # accepted, not yet in an engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
         self._num_waiting = 0  # event loop only
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._crash: str | None = None
+        self._crashed = False
 
     # -- GenerationBackend ------------------------------------------------------------------
 
     async def start(self) -> None:
-        await asyncio.to_thread(self._build_default_engine)
+        await asyncio.to_thread(self._build)
         self._thread = threading.Thread(target=self._work, name="lyanna-engine", daemon=True)
         self._thread.start()
 
@@ -143,16 +145,17 @@ class EmbeddedBackend:
 
     async def health(self) -> dict[str, str]:
         alive = self._thread is not None and self._thread.is_alive() and not self._stopping
-        status = {"engine": "ok" if alive else (self._crash or "not running")}
-        # copies first: the worker thread may add an engine meanwhile
-        status.update({f"method:{m}": "ok" for m in list(self._engines)})
+        crashed = "crashed (see the server log)" if self._crashed else "not running"
+        status = {"engine": "ok" if alive else crashed}
+        if self.engine is not None:  # copies first: the worker thread may add a method
+            status.update({f"method:{m}": "ok" for m in list(self.engine.drafters)})
         broken = list(self._broken.items())
         status.update({f"method:{m}": f"degraded: {why}" for m, why in broken})
         return status
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         if self._thread is None or not self._thread.is_alive() or self._stopping:
-            raise BackendUnavailable(self._crash or "the embedded engine is not running")
+            raise BackendUnavailable("the embedded engine is not running")
         method = request.method or self.default_method
         if method not in self.methods:
             raise ValueError(f"unknown method {method!r}; known: {list(self.methods)}")
@@ -166,8 +169,9 @@ class EmbeddedBackend:
             prompt_ids=list(request.prompt_ids),
             params=replace(request.params, stop=()),  # the gateway applies stop strings
             eos_token_ids=self._eos,
+            method=method,
         )
-        handle = _Handle(sequence, method, asyncio.get_running_loop(), asyncio.Queue())
+        handle = _Handle(sequence, asyncio.get_running_loop(), asyncio.Queue())
         self._num_waiting += 1
         waiting, finished = True, False
         self._commands.put(_Submit(handle))
@@ -200,11 +204,15 @@ class EmbeddedBackend:
 
     # -- worker thread ----------------------------------------------------------------------
 
-    def _build_default_engine(self) -> None:
+    def _build(self) -> None:
+        """The engine (target + AR) and the default method, falling back along
+        ``fallback_methods`` when it cannot start."""
+        config = EngineConfig(self.config.max_running, self._max_len, self.config.rule)
+        self.engine = SpecEngine(self.model, NoDrafter(), config, method=TARGET_ONLY)
+        self._warm_up(self.engine.drafter)
         configured = self.config.default_method
         for method in dict.fromkeys((configured, *self.config.fallback_methods)):
-            engine = self._engine(method)
-            if engine is None:
+            if not self._serves(method):
                 continue
             if method != configured:
                 logger.warning(
@@ -217,55 +225,54 @@ class EmbeddedBackend:
             return
         raise BackendUnavailable(f"no method could start: {self._broken}")
 
-    def _engine(self, method: str) -> SpecEngine | None:
-        if method in self._engines:
-            return self._engines[method]
+    def _serves(self, method: str) -> bool:
+        """Whether ``method`` can serve, building its drafter on first use."""
+        if method in self.engine.drafters:
+            return True
         if method in self._broken:
-            return None
-        engine_config = EngineConfig(self.config.max_batch, self._max_len, self.config.rule)
+            return False
         try:
             budget = tree_budget(method, self.model, self.config.tree, self.config.budget)
-            capacity = DraftCapacity(self.config.max_batch, self._max_len)
+            capacity = DraftCapacity(self.config.max_running, self._max_len)
             drafter = make_drafter(method, self.model, budget, capacity)
-            engine = SpecEngine(self.model, drafter, engine_config)
-            self._warm_up(engine)
-        except ENGINE_BUILD_ERRORS as err:
+            self._warm_up(drafter)
+            self.engine.add_method(method, drafter)
+        except METHOD_BUILD_ERRORS as err:
             self._broken[method] = f"{type(err).__name__}: {err}"
             logger.warning("method %r cannot start: %s", method, self._broken[method])
-            return None
-        self._engines[method] = engine
+            return False
         logger.info("method %r ready", method)
-        return engine
+        return True
 
-    def _warm_up(self, engine: SpecEngine) -> None:
-        """One short greedy request: proves the drafter fits the model (a checkpoint for
-        another model fails here, not in a client's request) and warms the kernels."""
+    def _warm_up(self, drafter: Drafter) -> None:
+        """One short greedy request on a one-slot engine of its own (the shared engine's
+        running requests must not step meanwhile): proves the drafter fits the model (a
+        checkpoint for another model fails here, not in a client's request) and warms the
+        kernels."""
         prompt = [i % self.model.config.vocab_size for i in range(1, 9)]
-        sequence = Sequence(next(self._ids), prompt, SamplingParams(max_tokens=4, ignore_eos=True))
-        engine.submit(sequence)
+        engine = SpecEngine(self.model, drafter, EngineConfig(1, len(prompt) + 4 + TREE_MARGIN))
+        engine.submit(
+            Sequence(next(self._ids), prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+        )
         engine.run()
-        engine.stats = SpecStats()
 
     def _work(self) -> None:
         deadline: float | None = None
         try:
             while True:
-                busy = any(self._pending.values()) or any(
-                    engine.has_work for engine in self._engines.values()
-                )
-                for command in self._drain_commands(block=not busy and deadline is None):
+                idle = not self.engine.has_work and deadline is None
+                for command in self._drain_commands(block=idle):
                     deadline = self._apply(command, deadline)
                 if deadline is not None and (not self._handles or time.monotonic() > deadline):
                     break
-                for method, engine in list(self._engines.items()):
-                    self._admit(method, engine)
-                    if engine.running and method in self._engines:
-                        self._run(method, engine, engine.step)
-        except Exception as err:  # the thread must report its death, not vanish silently
+                self._admit()
+                if self.engine.running:
+                    self._run(self.engine.step)
+        except Exception:  # the thread must report its death, not vanish silently
             logger.exception("embedded engine thread crashed")
-            self._crash = f"engine thread crashed: {type(err).__name__}: {err}"
+            self._crashed = True
         self._stopping = True
-        reason = BackendUnavailable(self._crash or "the server is shutting down")
+        reason = BackendUnavailable("the embedded engine stopped")
         late = [c.handle for c in self._drain_commands(block=False) if isinstance(c, _Submit)]
         for handle in [*self._handles.values(), *late]:
             self._deliver(handle, reason)
@@ -285,68 +292,40 @@ class EmbeddedBackend:
         if isinstance(command, _Stop):
             return command.deadline
         if isinstance(command, _Abort):
-            handle = self._handles.pop(command.seq_id, None)
-            pending = self._pending.get(handle.method) if handle is not None else None
-            if pending is not None and handle in pending:
-                pending.remove(handle)
-            elif handle is not None and handle.method in self._engines:
-                self._engines[handle.method].abort(command.seq_id)
+            if self._handles.pop(command.seq_id, None) is not None:
+                self.engine.abort(command.seq_id)
             return deadline
         handle = command.handle
-        engine = self._engine(handle.method)
-        if engine is None:
-            why = self._broken[handle.method]
-            self._deliver(handle, BackendUnavailable(f"method {handle.method!r}: {why}"))
+        method = handle.sequence.method
+        if not self._serves(method):
+            self._deliver(handle, BackendUnavailable(f"method {method!r} is unavailable"))
             return deadline
-        self._pending.setdefault(handle.method, deque()).append(handle)
+        try:
+            self.engine.submit(handle.sequence)
+        except ValueError as err:
+            self._deliver(handle, err)
+            return deadline
         self._handles[handle.sequence.seq_id] = handle
         return deadline
 
-    def _admit(self, method: str, engine: SpecEngine) -> None:
-        """Prefill pending requests one at a time while the engine has room, streaming each
-        first token at once (rather than after every prefill and a verification)."""
-        pending = self._pending.get(method)
-        while pending and len(engine.running) < engine.config.max_batch:
-            handle = pending.popleft()
-            try:
-                engine.submit(handle.sequence)
-            except ValueError as err:
-                self._deliver(handle, err)
-                del self._handles[handle.sequence.seq_id]
-                continue
-            self._run(method, engine, engine.admit)
-            if method not in self._engines:
-                return
+    def _admit(self) -> None:
+        """Prefill waiting requests one at a time while slots are free, streaming each first
+        token at once (rather than after every prefill and a verification)."""
+        while self.engine.waiting and self.engine.scheduler.num_free > 0:
+            self._run(lambda: self.engine.admit(limit=1))
 
-    def _run(self, method: str, engine: SpecEngine, action: Callable[[], list[Emitted]]) -> None:
+    def _run(self, action: Callable[[], list[Emitted]]) -> None:
         """``engine.admit`` or ``engine.step``, then hand every emitted delta to its request."""
-        stats, drafter = engine.stats, engine.drafter
-        draft_before, verify_before = stats.draft_seconds, stats.verify_seconds
-        resampled_before = getattr(drafter, "num_resampled_accepted", 0)
         try:
             emitted = action()
-        except Exception:  # fail this engine's requests, keep serving the others
-            logger.exception("engine %r failed; dropping it", method)
-            self._engines.pop(method)
-            self._pending.pop(method, None)
-            for seq_id, handle in list(self._handles.items()):
-                if handle.method == method:
-                    self._deliver(handle, BackendUnavailable("engine error (logged)"))
-                    del self._handles[seq_id]
+        except Exception as err:  # fail the requests in flight, keep serving new ones
+            self._fail_in_flight(err)
             return
-        # Draft/verify time and re-sampled acceptances are known per micro-batch; the
-        # re-sampled count goes to the first verification of the batch so totals add up.
-        draft_seconds = stats.draft_seconds - draft_before
-        verify_seconds = stats.verify_seconds - verify_before
-        resampled = getattr(drafter, "num_resampled_accepted", 0) - resampled_before
         for item in emitted:
             handle = self._handles.get(item.sequence.seq_id)
             if handle is None:
                 continue
-            step = None
-            if item.verdict is not None:
-                step = _facts(method, item, resampled, draft_seconds, verify_seconds)
-                resampled = 0
+            step = None if item.verdict is None else _facts(item)
             self._deliver(
                 handle,
                 TokenDelta(
@@ -359,6 +338,24 @@ class EmbeddedBackend:
             if item.sequence.finished:
                 del self._handles[item.sequence.seq_id]
 
+    def _fail_in_flight(self, err: Exception) -> None:
+        """A step failed half-way: every running request fails (503) and is aborted; when a
+        drafter raised, its method stops serving (degraded) so it cannot fail the next."""
+        logger.error("engine step failed", exc_info=err)
+        if isinstance(err, DrafterError):
+            self._broken[err.method] = "its drafter failed (see the server log)"
+            self.engine.remove_method(err.method)
+        failure = BackendUnavailable("engine error (logged)")
+        for seq_id in list(self.engine.running):
+            self.engine.abort(seq_id)
+            handle = self._handles.pop(seq_id, None)
+            if handle is not None:
+                self._deliver(handle, failure)
+        for seq_id, handle in list(self._handles.items()):  # waiting on a dropped method
+            if seq_id not in {s.seq_id for s in self.engine.waiting}:
+                self._deliver(handle, failure)
+                del self._handles[seq_id]
+
     @staticmethod
     def _deliver(handle: _Handle, item: TokenDelta | Exception) -> None:
         try:
@@ -367,15 +364,13 @@ class EmbeddedBackend:
             logger.debug("event loop closed; dropping a delta for %d", handle.sequence.seq_id)
 
 
-def _facts(
-    method: str, item: Emitted, resampled: int, draft_seconds: float, verify_seconds: float
-) -> StepFacts:
+def _facts(item: Emitted) -> StepFacts:
     verdict = item.verdict
     return StepFacts(
-        method=method,
+        method=item.sequence.method,
         num_drafted=sum(verdict.num_drafted_per_depth),
         num_accepted=verdict.num_accepted,
-        num_resampled_accepted=resampled,
-        draft_seconds=draft_seconds,
-        verify_seconds=verify_seconds,
+        num_resampled_accepted=item.num_resampled_accepted,
+        draft_seconds=item.timing.draft_seconds,
+        verify_seconds=item.timing.verify_seconds,
     )

@@ -73,7 +73,7 @@ def run_serve(args: argparse.Namespace) -> int:
 def _serve_embedded(args: argparse.Namespace, config: GatewayConfig) -> None:
     embedded = EmbeddedConfig(
         default_method=args.method,
-        max_batch=args.max_batch,
+        max_running=args.max_running,
         max_len=args.max_len,
         max_waiting=args.max_waiting,
         queue_timeout=args.queue_timeout,
@@ -100,7 +100,7 @@ def _serve_services(args: argparse.Namespace, config: GatewayConfig) -> None:
         _serve_remote(args, config, tokenizer, eos, args.verifier_addr, args.drafter_addr)
         return
     # one capacity for both services: a drafter with fewer slots would refuse sequences
-    capacity = ("--max-seqs", str(args.max_batch), "--max-len", str(args.max_len))
+    capacity = ("--max-running", str(args.max_running), "--max-len", str(args.max_len))
     verifier_args = (*capacity, "--weights", args.weights)
     # the drafter loads the target in the verifier's format to measure its cost curve
     drafter_args = (*capacity, "--weights", args.weights, "--tree", args.tree)
@@ -139,7 +139,7 @@ def _serve_remote(
         drafter_addr=drafter_addr,
         method=method or args.method,
         pipeline=args.pipeline,
-        max_running=args.max_batch,
+        max_running=args.max_running,
         max_waiting=args.max_waiting,
         queue_timeout=args.queue_timeout,
         tls=config.services_tls(),

@@ -26,6 +26,7 @@ from prometheus_client import (
 )
 
 from gateway.backend import StepFacts, TokenDelta
+from lyanna.stats import acceptance_length
 
 LABELS = ("method", "model", "service")
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
@@ -203,7 +204,7 @@ class RequestTracker:
 
     @property
     def acceptance_length(self) -> float:
-        return 1.0 + self.num_accepted / self.num_steps if self.num_steps else 1.0
+        return acceptance_length(self.num_accepted, self.num_steps)
 
     def on_delta(self, delta: TokenDelta, num_sent_tokens: int) -> None:
         """A delta from the backend; ``num_sent_tokens`` of its tokens reach the client."""

@@ -1,46 +1,60 @@
-"""The in-process speculative engine: one loop for every method.
+"""The in-process speculative engine: one loop for every method, and methods mixed in a batch.
 
-``step()`` = admit waiting sequences (prefill, ``drafter.start``) -> ``drafter.propose`` one
-tree per running sequence -> one target forward over the packed trees -> the acceptance rule
-per sequence -> commit the accepted KV rows, emit tokens -> ``drafter.on_verified`` -> retire
-finished sequences. Plain autoregressive decoding is the same loop with ``NoDrafter``.
-The services split this loop across processes; this module is the oracle they must match.
+``step()`` = schedule (admit waiting sequences: prefill, ``drafter.start``) -> run (each
+method's drafter proposes trees for its sequences, then ONE target forward verifies every
+tree of the batch, whatever drafted it) -> postprocess (the scheduler commits the verdicts
+and counts them; each drafter learns its sequences' steps) -> retire finished sequences.
+Plain autoregressive decoding is the same loop with ``NoDrafter``. The services split this
+loop across processes; this module is the oracle they must match.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from lyanna.drafters.base import Drafter, NoDrafter, VerifiedStep
 from lyanna.kv_cache import KVCache
 from lyanna.model.transformer import Transformer
+from lyanna.scheduler import Emitted, Scheduler, SchedulerConfig, StepTiming
 from lyanna.sequence import Sequence
 from lyanna.stats import SpecStats
 from lyanna.target import TargetConfig, TargetRunner
-from lyanna.verify import Verdict, sampling_rule
+from lyanna.verify import sampling_rule
+
+__all__ = ["DEFAULT_METHOD", "DrafterError", "Emitted", "EngineConfig", "SpecEngine"]
+
+DEFAULT_METHOD = "default"  # the name of the drafter given to the constructor
+
+
+class DrafterError(RuntimeError):
+    """A method's drafter raised; ``method`` names it, so a server can stop serving it."""
+
+    def __init__(self, method: str) -> None:
+        super().__init__(f"the {method!r} drafter failed")
+        self.method = method
+
+
+@contextmanager
+def _drafter_calls(method: str):
+    try:
+        yield
+    except Exception as err:
+        raise DrafterError(method) from err
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    max_batch: int = 8  # running sequences per step
+    max_running: int = 8  # sequences decoding at once (one target KV slot each)
     max_len: int = 4096  # KV rows per sequence (prompt + output + one tree)
     rule: str | None = None  # acceptance rule by name at T > 0 (never greedy); greedy is
     #                          always used at T=0; None = the drafter scheme's default rule
 
     def __post_init__(self) -> None:
-        if self.max_batch < 1 or self.max_len < 2:
-            raise ValueError("max_batch must be >= 1 and max_len >= 2")
+        SchedulerConfig(self.max_running, self.max_len)  # validates the capacity
         if self.rule is not None:
             sampling_rule(self.rule)  # refused here, before any model or drafter is built
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class Emitted:
-    sequence: Sequence
-    tokens: list[int]  # newly emitted output tokens (may be empty when EOS ended it)
-    verdict: Verdict | None = None  # the verification behind them; None for the prefill token
 
 
 class SpecEngine:
@@ -49,18 +63,55 @@ class SpecEngine:
         model: Transformer,
         drafter: Drafter | None = None,
         config: EngineConfig | None = None,
+        method: str = DEFAULT_METHOD,
     ) -> None:
         self.model = model
-        self.drafter = drafter or NoDrafter()
         self.config = config or EngineConfig()
-        if self.config.rule is not None and not isinstance(self.drafter, NoDrafter):
-            sampling_rule(self.config.rule, self.drafter.scheme)  # not at every drafted tree
+        self.scheduler = Scheduler(SchedulerConfig(self.config.max_running, self.config.max_len))
         self.target = TargetRunner(
-            model, TargetConfig(self.config.max_batch, self.config.max_len, self.config.rule)
+            model, TargetConfig(self.config.max_running, self.config.max_len, self.config.rule)
         )
-        self.waiting: deque[Sequence] = deque()
-        self.running: dict[int, Sequence] = {}
-        self.stats = SpecStats()
+        self.default_method = method
+        self.drafters: dict[str, Drafter] = {}
+        self.add_method(method, drafter or NoDrafter())
+
+    def add_method(self, method: str, drafter: Drafter) -> None:
+        """Serve ``method`` with ``drafter`` from now on (its sequences share every target
+        forward with the other methods' sequences)."""
+        if self.config.rule is not None and not isinstance(drafter, NoDrafter):
+            sampling_rule(self.config.rule, drafter.scheme)  # not at every drafted tree
+        self.drafters[method] = drafter
+
+    def remove_method(self, method: str) -> list[Sequence]:
+        """Stop serving ``method``: its waiting and running sequences are aborted (returned)."""
+        dropped = [
+            s
+            for s in (*self.scheduler.waiting, *self.scheduler.running.values())
+            if s.method == method
+        ]
+        for sequence in dropped:
+            self.abort(sequence.seq_id)
+        self.drafters.pop(method, None)
+        return dropped
+
+    # -- views ---------------------------------------------------------------------------
+
+    @property
+    def drafter(self) -> Drafter:
+        """The default method's drafter."""
+        return self.drafters[self.default_method]
+
+    @property
+    def stats(self) -> SpecStats:
+        return self.scheduler.stats
+
+    @property
+    def waiting(self):
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> dict[int, Sequence]:
+        return self.scheduler.running
 
     @property
     def cache(self) -> KVCache:
@@ -71,15 +122,17 @@ class SpecEngine:
         """Running sequence id -> its target KV slot."""
         return {seq_id: self.target.slot(seq_id) for seq_id in self.running}
 
-    def submit(self, sequence: Sequence) -> None:
-        longest = len(sequence.prompt_ids) + sequence.params.max_tokens + 64
-        if longest > self.cache.max_len:
-            raise ValueError(f"prompt + max_tokens needs {longest} KV rows > {self.cache.max_len}")
-        self.waiting.append(sequence)
-
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_work
+
+    # -- driving -------------------------------------------------------------------------
+
+    def submit(self, sequence: Sequence) -> None:
+        sequence.method = sequence.method or self.default_method
+        if sequence.method not in self.drafters:
+            raise ValueError(f"no drafter for method {sequence.method!r}")
+        self.scheduler.add(sequence)
 
     def run(self) -> SpecStats:
         """Step until every submitted sequence has finished."""
@@ -88,77 +141,96 @@ class SpecEngine:
         return self.stats
 
     def step(self) -> list[Emitted]:
-        emitted = self._admit()
-        if self.running:
-            emitted += self._speculate()
-        for seq_id in [s for s, seq in self.running.items() if seq.finished]:
-            self._retire(seq_id)
+        emitted = self.admit()
+        batch = self.scheduler.decode_batch()
+        if batch:
+            emitted += self._speculate(batch)
+        for sequence in self.scheduler.retire():
+            self._release(sequence)
         return emitted
 
-    def admit(self) -> list[Emitted]:
-        """Prefill waiting sequences now (each emits its first token) without a verification;
-        a server streams those first tokens before the next ``step``."""
-        return self._admit()
+    def admit(self, limit: int | None = None) -> list[Emitted]:
+        """Prefill up to ``limit`` waiting sequences now (each emits its first token) without
+        a verification; a server streams those first tokens before the next ``step``."""
+        return [self._prefill(s) for s in self.scheduler.schedule_prefill(limit)]
 
     def abort(self, seq_id: int) -> bool:
         """Drop a waiting or running sequence (its client went away): frees its KV slot and
         drafter state. Returns whether the sequence was known."""
-        for seq in self.waiting:
-            if seq.seq_id == seq_id:
-                self.waiting.remove(seq)
-                return True
-        if seq_id in self.running:
-            self._retire(seq_id)
-            return True
-        return False
+        sequence = self.running.get(seq_id)
+        if sequence is not None:
+            self._release(sequence)
+        return self.scheduler.abort(seq_id)
 
-    def _admit(self) -> list[Emitted]:
-        emitted = []
-        while self.waiting and len(self.running) < self.config.max_batch:
-            seq = self.waiting.popleft()
-            start = time.perf_counter()
-            prefilled = self.target.prefill(seq.seq_id, seq.prompt_ids, seq.params, seq.generator)
-            first = prefilled.first_token
-            self.stats.prefill_seconds += time.perf_counter() - start
-            self.stats.num_prefill_tokens += len(seq.prompt_ids)
-            self.running[seq.seq_id] = seq
-            emitted.append(Emitted(seq, seq.append([first])))
-            if not seq.finished:
-                start = time.perf_counter()
-                prompt_hidden = prefilled.hidden if self.drafter.needs_hidden else None
-                self.drafter.start(seq.seq_id, seq.prompt_ids, prompt_hidden, first, seq.params)
-                self.stats.draft_seconds += time.perf_counter() - start
-        return emitted
+    # -- model work ----------------------------------------------------------------------
 
-    def _speculate(self) -> list[Emitted]:
-        seq_ids = list(self.running)
+    def _prefill(self, seq: Sequence) -> Emitted:
+        stats = self.stats
         start = time.perf_counter()
-        trees = self.drafter.propose(seq_ids)
-        verify_start = time.perf_counter()
-        results = self.target.verify(seq_ids, trees, return_hidden=self.drafter.needs_hidden)
-        updates, emitted = [], []
-        for seq_id, result in zip(seq_ids, results, strict=True):
-            seq, verdict = self.running[seq_id], result.verdict
-            self.stats.record(verdict)
-            emitted.append(Emitted(seq, seq.append(verdict.tokens), verdict))
-            updates.append(
-                VerifiedStep(
-                    seq_id=seq_id,
-                    committed=result.committed,
-                    hidden=result.hidden,
-                    next_token=verdict.tokens[-1],
-                    num_accepted=verdict.num_accepted,
-                    num_committed=result.num_committed,
-                )
-            )
-        feedback_start = time.perf_counter()
-        self.drafter.on_verified([u for u in updates if not self.running[u.seq_id].finished])
-        end = time.perf_counter()
-        self.stats.draft_seconds += (verify_start - start) + (end - feedback_start)
-        self.stats.verify_seconds += feedback_start - verify_start
+        prefilled = self.target.prefill(seq.seq_id, seq.prompt_ids, seq.params, seq.generator)
+        stats.prefill_seconds += time.perf_counter() - start
+        stats.num_prefill_tokens += len(seq.prompt_ids)
+        emitted = self.scheduler.postprocess_prefill(seq, prefilled.first_token)
+        if not seq.finished:
+            drafter = self.drafters[seq.method]
+            start = time.perf_counter()
+            hidden = prefilled.hidden if drafter.needs_hidden else None
+            with _drafter_calls(seq.method):
+                drafter.start(seq.seq_id, seq.prompt_ids, hidden, prefilled.first_token, seq.params)
+            stats.draft_seconds += time.perf_counter() - start
         return emitted
 
-    def _retire(self, seq_id: int) -> None:
-        self.running.pop(seq_id)
-        self.target.release(seq_id)
-        self.drafter.release(seq_id)
+    def _speculate(self, batch: list[Sequence]) -> list[Emitted]:
+        groups: dict[str, list[Sequence]] = {}
+        for sequence in batch:
+            groups.setdefault(sequence.method, []).append(sequence)
+        batch = [s for group in groups.values() for s in group]  # in the order trees come
+        trees, draft_seconds = [], {}
+        for method, group in groups.items():
+            start = time.perf_counter()
+            with _drafter_calls(method):
+                trees += self.drafters[method].propose([s.seq_id for s in group])
+            draft_seconds[method] = time.perf_counter() - start
+        needs_hidden = any(self.drafters[m].needs_hidden for m in groups)
+        start = time.perf_counter()
+        results = self.target.verify([s.seq_id for s in batch], trees, needs_hidden)
+        verify_seconds = time.perf_counter() - start
+        emitted = self.scheduler.postprocess(batch, [r.verdict for r in results])
+        steps = {s.seq_id: _verified_step(s.seq_id, r) for s, r in zip(batch, results, strict=True)}
+        resampled: dict[int, int] = {}
+        for method, group in groups.items():  # a sequence that just finished is not taught
+            start = time.perf_counter()
+            learn = [steps[s.seq_id] for s in group if not s.finished]
+            with _drafter_calls(method):
+                resampled |= self.drafters[method].on_verified(learn)
+            draft_seconds[method] += time.perf_counter() - start
+        self.scheduler.record_drafter_facts(emitted, resampled)
+        self._record_time(draft_seconds, verify_seconds)
+        for item in emitted:
+            item.timing = StepTiming(draft_seconds[item.sequence.method], verify_seconds)
+        return emitted
+
+    def _record_time(self, draft_seconds: dict[str, float], verify_seconds: float) -> None:
+        self.stats.draft_seconds += sum(draft_seconds.values())
+        self.stats.verify_seconds += verify_seconds
+        for method, seconds in draft_seconds.items():
+            stats = self.scheduler.method_stats(method)
+            stats.draft_seconds += seconds
+            stats.verify_seconds += verify_seconds  # the shared forward, as its steps saw it
+
+    def _release(self, sequence: Sequence) -> None:
+        self.target.release(sequence.seq_id)
+        drafter = self.drafters.get(sequence.method)
+        if drafter is not None:
+            drafter.release(sequence.seq_id)
+
+
+def _verified_step(seq_id: int, result) -> VerifiedStep:
+    return VerifiedStep(
+        seq_id=seq_id,
+        committed=result.committed,
+        hidden=result.hidden,
+        next_token=result.verdict.tokens[-1],
+        num_accepted=result.verdict.num_accepted,
+        num_committed=result.num_committed,
+    )

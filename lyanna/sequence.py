@@ -25,6 +25,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length"
     text_end: int | None = None  # character cut of the output text when a stop string hit
     generator: torch.Generator | None = None
+    method: str | None = None  # the drafter that serves it; None = the engine's default
 
     def __post_init__(self) -> None:
         if self.params.stop and self.detokenize is None:

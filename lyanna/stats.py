@@ -13,12 +13,20 @@ from dataclasses import dataclass, field
 from lyanna.verify import Verdict
 
 
+def acceptance_length(num_accepted: int, num_steps: int) -> float:
+    """Tokens emitted per verification: accepted draft tokens + the residual/bonus token.
+    The one formula every report uses (engine stats, gateway metrics; the recording rule
+    computes it from the same two counters). 1 before any verification."""
+    return 1.0 + num_accepted / num_steps if num_steps else 1.0
+
+
 @dataclass(slots=True)
 class SpecStats:
     num_steps: int = 0  # verifications (one per sequence per engine step)
     num_drafted: int = 0
     num_accepted: int = 0
     num_emitted: int = 0  # tokens handed to sequences (accepted + residual/bonus)
+    num_resampled_accepted: int = 0  # accepted tokens only a re-sampled subtree held (Lyanna)
     reached: list[int] = field(default_factory=list)  # [d-1]: steps with depth d-1 accepted and
     #                                                   a depth-d node drafted
     accepted: list[int] = field(default_factory=list)  # [d-1]: steps with depth d accepted
@@ -45,14 +53,20 @@ class SpecStats:
 
     @property
     def acceptance_length(self) -> float:
-        return self.num_emitted / self.num_steps if self.num_steps else 0.0
+        return acceptance_length(self.num_accepted, self.num_steps)
 
     @property
     def conditional_acceptance(self) -> list[float]:
         return [a / r if r else 0.0 for a, r in zip(self.accepted, self.reached, strict=True)]
 
     def merge(self, other: SpecStats) -> None:
-        for name in ("num_steps", "num_drafted", "num_accepted", "num_emitted"):
+        for name in (
+            "num_steps",
+            "num_drafted",
+            "num_accepted",
+            "num_emitted",
+            "num_resampled_accepted",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("draft_seconds", "verify_seconds", "prefill_seconds", "num_prefill_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))

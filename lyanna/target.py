@@ -31,14 +31,14 @@ class OutOfStepError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class TargetConfig:
-    max_seqs: int = 8  # KV slots: sequences that can be in flight at once
+    max_running: int = 8  # KV slots: sequences that can be in flight at once
     max_len: int = 4096  # KV rows per sequence (prompt + output + one tree)
     rule: str | None = None  # acceptance rule by name at temperature > 0 (never greedy);
     #                          None = the default lossless rule of each tree's draft scheme
 
     def __post_init__(self) -> None:
-        if self.max_seqs < 1 or self.max_len < 2:
-            raise ValueError("max_seqs must be >= 1 and max_len >= 2")
+        if self.max_running < 1 or self.max_len < 2:
+            raise ValueError("max_running must be >= 1 and max_len >= 2")
         if self.rule is not None:
             sampling_rule(self.rule)  # unknown: KeyError; greedy-only: LossyRuleError
 
@@ -70,7 +70,7 @@ class TargetRunner:
     def __init__(self, model: Transformer, config: TargetConfig | None = None) -> None:
         self.model = model
         self.config = config or TargetConfig()
-        self.cache = model.new_cache(self.config.max_seqs, self.config.max_len)
+        self.cache = model.new_cache(self.config.max_running, self.config.max_len)
         self._seqs: dict[int, _TargetSeq] = {}
 
     @property

@@ -2,8 +2,8 @@
 variables (flag > environment > default), validated in ``__post_init__``.
 
 ``parse_configs((ServerConfig, VerifierConfig), argv, "LYANNA_VERIFIER_")`` turns every field
-into a flag (``max_seqs`` -> ``--max-seqs``) whose default comes from ``LYANNA_VERIFIER_MAX_SEQS``
-when set; each component then receives only its own dataclass.
+into a flag (``max_running`` -> ``--max-running``) whose default comes from
+``LYANNA_VERIFIER_MAX_RUNNING`` when set; each component then receives only its own dataclass.
 Fields are ``int``, ``float``, ``str``, ``bool`` or ``str | None``.
 """
 

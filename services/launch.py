@@ -21,7 +21,7 @@ API::
                                         # "{gateway_port}", "{method}" are substituted, and the
                                         # same values are in LYANNA_VERIFIER_ADDR,
                                         # LYANNA_DRAFTER_ADDR, LYANNA_GATEWAY_PORT
-        verifier_args=(), drafter_args=(),  # extra flags, e.g. ("--max-seqs", "16")
+        verifier_args=(), drafter_args=(),  # extra flags, e.g. ("--max-running", "16")
         torch_threads=1,                # per service process
         plane="grpc",                   # or "gloo" / "nccl": hidden states over torch.distributed
         startup_timeout=180.0,

@@ -29,14 +29,16 @@ def _ngram(model: Transformer, budget: DraftBudget, capacity: DraftCapacity) -> 
 def _eagle(model: Transformer, budget: DraftBudget, capacity: DraftCapacity) -> Drafter:
     from lyanna.drafters.eagle import EagleDrafter
 
-    return EagleDrafter(model, budget=budget, max_seqs=capacity.max_seqs, max_len=capacity.max_len)
+    return EagleDrafter(
+        model, budget=budget, max_running=capacity.max_running, max_len=capacity.max_len
+    )
 
 
 def _sps(model: Transformer, budget: DraftBudget, capacity: DraftCapacity) -> Drafter:
     from lyanna.drafters.sps import SpsDrafter
 
     return SpsDrafter.from_checkpoint(
-        model, budget=budget, max_seqs=capacity.max_seqs, max_len=capacity.max_len
+        model, budget=budget, max_running=capacity.max_running, max_len=capacity.max_len
     )
 
 
@@ -53,7 +55,7 @@ def _lyanna_variant(resample_enabled: bool, fusion: bool) -> DrafterFactory:
             budget=budget,
             resample=resample,
             sample_drafts=False,
-            max_seqs=capacity.max_seqs,
+            max_running=capacity.max_running,
             max_len=capacity.max_len,
         )
 

@@ -68,16 +68,16 @@ class DraftBudget:
 @dataclass(frozen=True, slots=True)
 class DraftCapacity:
     """The sequences a drafter keeps state for and the rows each may grow to: the engine's or
-    verifier's capacity (``max_seqs`` KV slots of ``max_len`` rows), handed to every drafter so
+    verifier's capacity (``max_running`` KV slots of ``max_len`` rows), handed to every drafter so
     the two never disagree (a drafter with fewer slots than the engine admits would fail the
     sequences beyond them)."""
 
-    max_seqs: int = 16
+    max_running: int = 16
     max_len: int = 4096
 
     def __post_init__(self) -> None:
-        if self.max_seqs < 1 or self.max_len < 2:
-            raise ValueError("a drafter needs max_seqs >= 1 and max_len >= 2")
+        if self.max_running < 1 or self.max_len < 2:
+            raise ValueError("a drafter needs max_running >= 1 and max_len >= 2")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -111,7 +111,10 @@ class Drafter(Protocol):
 
     def propose(self, seq_ids: list[int]) -> list[TokenTree]: ...
 
-    def on_verified(self, steps: list[VerifiedStep]) -> None: ...
+    def on_verified(self, steps: list[VerifiedStep]) -> dict[int, int]:
+        """Learn the verified steps; returns, per sequence, the accepted tokens that only a
+        re-sampled subtree held (Lyanna's re-sampling; other drafters return {})."""
+        ...
 
     def release(self, seq_id: int) -> None: ...
 
@@ -131,9 +134,10 @@ class NoDrafter:
     def propose(self, seq_ids: list[int]) -> list[TokenTree]:
         return [TokenTree.root_only(self._roots[s]) for s in seq_ids]
 
-    def on_verified(self, steps: list[VerifiedStep]) -> None:
+    def on_verified(self, steps: list[VerifiedStep]) -> dict[int, int]:
         for step in steps:
             self._roots[step.seq_id] = step.next_token
+        return {}
 
     def release(self, seq_id: int) -> None:
         self._roots.pop(seq_id, None)

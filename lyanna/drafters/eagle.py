@@ -50,7 +50,7 @@ class EagleDrafter(DynamicTreeDrafter):
         target: Transformer,
         head: EagleHead | None = None,
         budget: DraftBudget | None = None,
-        max_seqs: int = 16,
+        max_running: int = 16,
         max_len: int = 4096,
         sample_drafts: bool = True,  # at T > 0: children drawn without replacement
         weight_dtype: torch.dtype | str | None = "auto",  # "auto": draft_weight_dtype(target)
@@ -69,7 +69,7 @@ class EagleDrafter(DynamicTreeDrafter):
         self.rope_cos, self.rope_sin = self.head.rope_cos, self.head.rope_sin
         config = self.head.config.layer_config()
         max_len = min(max_len, config.max_position_embeddings)
-        self.cache = KVCache(config, max_seqs, max_len, torch.float32)
+        self.cache = KVCache(config, max_running, max_len, torch.float32)
         self._seqs: dict[int, _DraftState] = {}
 
     # -- Drafter protocol --------------------------------------------------------------
@@ -85,13 +85,14 @@ class EagleDrafter(DynamicTreeDrafter):
         state.pending_tokens += [*prompt_ids[1:], first_token]
         self._catch_up([state])
 
-    def on_verified(self, steps: list[VerifiedStep]) -> None:
+    def on_verified(self, steps: list[VerifiedStep]) -> dict[int, int]:
         self._learn_acceptance(steps)
         for step in steps:
             state = self._seqs[step.seq_id]
             state.pending_hidden.append(step.hidden)
             state.pending_tokens += [*step.committed[1:], step.next_token]
             state.root = step.next_token
+        return {}
 
     # -- draft KV ----------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ Acceptance comes in runs (a list, code, a quoted passage are easy to draft; free
 not), so each sequence keeps a running average of the tokens accepted per drafted step and
 drafts only while it pays; a gated-off sequence re-measures by drafting once after a few
 plain steps (then after twice as many while it still does not pay). Where no drafted token
-pays at all, as for a 4-bit target on a CPU whose second row costs 40 % of a step, this is
+pays at all, as for a 4-bit target on a CPU whose second row costs 30 % of a step, this is
 plain decoding with an occasional probe instead of a speculative method slower than it.
 
 Lossless by construction: a gated-off sequence verifies a root-only tree (a plain decode
@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from lyanna.drafters.base import Drafter, VerifiedStep
+from lyanna.drafters.base import Drafter, NoDrafter, VerifiedStep
 from lyanna.tree import TokenTree
 from lyanna.tree_cost import VerifyCost
 
@@ -113,7 +113,7 @@ class GatedDrafter:
         self.gate = gate
         self.scheme = inner.scheme
         self.needs_hidden = inner.needs_hidden
-        self._roots: dict[int, int] = {}
+        self.plain = NoDrafter()  # the root-only trees of gated-off sequences
         self.num_gated_steps = 0  # sequence-steps that skipped drafting
 
     def __getattr__(self, name: str):  # only called for names not found on the wrapper
@@ -122,7 +122,7 @@ class GatedDrafter:
     def start(self, seq_id, prompt_ids, prompt_hidden, first_token, params=None) -> None:
         self.inner.start(seq_id, prompt_ids, prompt_hidden, first_token, params)
         self.gate.start(seq_id)
-        self._roots[seq_id] = first_token
+        self.plain.start(seq_id, prompt_ids, None, first_token)
 
     def propose(self, seq_ids: list[int]) -> list[TokenTree]:
         chosen = self.gate.choose(seq_ids)
@@ -133,16 +133,19 @@ class GatedDrafter:
             trees = dict(zip(drafting, self.inner.propose(drafting), strict=True))
             widths = {s: tree.num_drafted for s, tree in trees.items()}
             self.gate.drafted(time.perf_counter() - start, widths)
-        self.num_gated_steps += len(seq_ids) - len(drafting)
-        return [trees[s] if s in trees else TokenTree.root_only(self._roots[s]) for s in seq_ids]
+        plain = [s for s in seq_ids if s not in trees]
+        self.num_gated_steps += len(plain)
+        trees.update(zip(plain, self.plain.propose(plain), strict=True))
+        return [trees[s] for s in seq_ids]
 
-    def on_verified(self, steps: list[VerifiedStep]) -> None:
-        self.inner.on_verified(steps)
+    def on_verified(self, steps: list[VerifiedStep]) -> dict[int, int]:
+        resampled = self.inner.on_verified(steps)
+        self.plain.on_verified(steps)
         for step in steps:
             self.gate.verified(step.seq_id, step.num_accepted)
-            self._roots[step.seq_id] = step.next_token
+        return resampled
 
     def release(self, seq_id: int) -> None:
         self.inner.release(seq_id)
         self.gate.release(seq_id)
-        self._roots.pop(seq_id, None)
+        self.plain.release(seq_id)

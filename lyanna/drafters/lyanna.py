@@ -70,7 +70,7 @@ class LyannaDrafter(SampledDrafting):
         draft: LyannaDraftModel,
         budget: DraftBudget | None = None,
         resample: ResampleConfig | None = None,
-        max_seqs: int = 16,
+        max_running: int = 16,
         max_len: int = 4096,
         weight_dtype: torch.dtype | str | None = "auto",  # "auto": draft_weight_dtype(target)
         sample_drafts: bool = True,  # at T > 0: children drawn without replacement
@@ -87,10 +87,9 @@ class LyannaDrafter(SampledDrafting):
         self._init_sampling(sample_drafts)  # and the gain calibrations
         self.resample = resample or ResampleConfig()
         layer_config = replace(draft.config.target, num_layers=1)
-        self.cache = KVCache(layer_config, max_seqs, max_len + self.budget.depth + 1)
+        self.cache = KVCache(layer_config, max_running, max_len + self.budget.depth + 1)
         self.info_table = draft.collapsed_token_info() if draft.config.use_token_info else None
         self.seqs: dict[int, _SeqState] = {}
-        self.num_resampled_accepted = 0  # accepted tokens that only a re-sampled subtree held
         self._target = target
 
     @classmethod
@@ -113,15 +112,17 @@ class LyannaDrafter(SampledDrafting):
             pending = self.draft.fuse(prompt_hidden, following)
         self.seqs[seq_id] = _SeqState(self.cache.allocate(), first_token, pending, 0)
 
-    def on_verified(self, steps: list[VerifiedStep]) -> None:
+    def on_verified(self, steps: list[VerifiedStep]) -> dict[int, int]:
         self._learn_acceptance(steps)
+        resampled = {}
         for step in steps:
             state = self.seqs[step.seq_id]
             following = torch.tensor([*step.committed[1:], step.next_token])
             with torch.inference_mode():
                 fused = self.draft.fuse(step.hidden, following)
             state.pending = torch.cat([state.pending, fused])
-            self._count_resampled(state, step)
+            if count := _resampled_accepted(state, step):
+                resampled[step.seq_id] = count
             state.root = step.next_token
             state.resampled, state.resampled_paths = None, frozenset()
             if self.resample.enabled and state.chain_logits is not None:
@@ -136,6 +137,7 @@ class LyannaDrafter(SampledDrafting):
                     self.draft.hot_index,
                 )
             state.chain_logits = None
+        return resampled
 
     def release(self, seq_id: int) -> None:
         state = self.seqs.pop(seq_id, None)
@@ -172,13 +174,6 @@ class LyannaDrafter(SampledDrafting):
         return [nodes.to_tree() for nodes in trees]
 
     # -- internals -------------------------------------------------------------------------
-
-    def _count_resampled(self, state: _SeqState, step: VerifiedStep) -> None:
-        if state.resampled_paths:
-            accepted = step.committed[1:]
-            self.num_resampled_accepted += sum(
-                tuple(accepted[: d + 1]) in state.resampled_paths for d in range(len(accepted))
-            )
 
     @torch.inference_mode()
     def _fresh_trees(
@@ -251,3 +246,11 @@ class LyannaDrafter(SampledDrafting):
 def _token_paths(nodes: DraftNodes) -> frozenset[tuple[int, ...]]:
     """The token sequence from the root (exclusive) to every draft node."""
     return frozenset(nodes.token_paths()[1:])
+
+
+def _resampled_accepted(state: _SeqState, step: VerifiedStep) -> int:
+    """Accepted tokens whose path only the re-sampled subtree had proposed."""
+    if not state.resampled_paths:
+        return 0
+    accepted = step.committed[1:]
+    return sum(tuple(accepted[: d + 1]) in state.resampled_paths for d in range(len(accepted)))

@@ -46,11 +46,12 @@ class NgramDrafter:
         self._seqs[seq_id] = history
         self._extend(history, [*prompt_ids, first_token])
 
-    def on_verified(self, steps: list[VerifiedStep]) -> None:
+    def on_verified(self, steps: list[VerifiedStep]) -> dict[int, int]:
         self.calibration.verified(sum(step.num_accepted for step in steps))
         for step in steps:
             # committed[0] is the old root, already in the history
             self._extend(self._seqs[step.seq_id], [*step.committed[1:], step.next_token])
+        return {}
 
     def release(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)

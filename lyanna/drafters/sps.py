@@ -95,7 +95,7 @@ class SpsDrafter(DynamicTreeDrafter):
         student: Transformer,
         hot_vocab: torch.Tensor,  # [num_hot] int64
         budget: DraftBudget | None = None,
-        max_seqs: int = 16,
+        max_running: int = 16,
         max_len: int = 4096,
         sample_drafts: bool = True,  # at T > 0: children drawn without replacement
         weight_dtype: torch.dtype | None = None,  # e.g. bf16 (see heads.draft_weight_dtype)
@@ -110,7 +110,7 @@ class SpsDrafter(DynamicTreeDrafter):
         self.lm_head = hot_lm_head(student.embed_tokens.weight, hot_vocab, weight_dtype)
         self.rope_cos, self.rope_sin = student.rope_cos, student.rope_sin
         max_len = min(max_len, student.config.max_position_embeddings)
-        self.cache = KVCache(student.config, max_seqs, max_len, torch.float32)
+        self.cache = KVCache(student.config, max_running, max_len, torch.float32)
         self._seqs: dict[int, _DraftState] = {}
 
     @classmethod
@@ -130,12 +130,13 @@ class SpsDrafter(DynamicTreeDrafter):
         state.pending_tokens = [*prompt_ids, first_token]
         self._seqs[seq_id] = state
 
-    def on_verified(self, steps: list[VerifiedStep]) -> None:
+    def on_verified(self, steps: list[VerifiedStep]) -> dict[int, int]:
         self._learn_acceptance(steps)
         for step in steps:
             state = self._seqs[step.seq_id]
             state.pending_tokens += [*step.committed[1:], step.next_token]
             state.root = step.next_token
+        return {}
 
     # -- student forwards --------------------------------------------------------------
 

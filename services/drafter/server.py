@@ -62,8 +62,8 @@ class DrafterConfig:
     top_k: int | None = None
     max_draft_tokens: int | None = None
     tree: str = "cost"  # cost: trees sized by the target's cost curve; fixed: the budget
-    # sequences held and rows each may grow to: the verifier's --max-seqs / --max-len
-    max_seqs: int = 16
+    # sequences held and rows each may grow to: the verifier's --max-running / --max-len
+    max_running: int = 16
     max_len: int = 4096
     # "module:function" building a Drafter from (target model, budget, capacity) instead of the
     # registry: custom drafters, tests with random-weight heads
@@ -71,7 +71,7 @@ class DrafterConfig:
 
     def __post_init__(self) -> None:
         self.shape()  # DraftBudget validates it
-        DraftCapacity(self.max_seqs, self.max_len)  # validates them
+        DraftCapacity(self.max_running, self.max_len)  # validates them
         if self.tree not in TREE_MODES:
             raise ValueError(f"tree must be one of {TREE_MODES}, got {self.tree!r}")
         if self.weights not in WEIGHT_FORMATS:
@@ -229,9 +229,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         a re-sampled subtree had proposed (drafters without re-sampling: 0)."""
         if step is None:
             return 0
-        before = getattr(self.drafter, "num_resampled_accepted", 0)
-        self.drafter.on_verified([step])
-        return getattr(self.drafter, "num_resampled_accepted", 0) - before
+        return self.drafter.on_verified([step]).get(step.seq_id, 0)
 
     def _hidden(self, message, field: str, num_rows: int) -> torch.Tensor | None:
         if not self.drafter.needs_hidden:
@@ -254,7 +252,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 def make_configured_drafter(
     config: DrafterConfig, model: Transformer, budget: DraftBudget
 ) -> Drafter:
-    capacity = DraftCapacity(config.max_seqs, config.max_len)
+    capacity = DraftCapacity(config.max_running, config.max_len)
     if config.factory is None:
         return make_drafter(config.method, model, budget, capacity)
     module_name, _, function = config.factory.partition(":")

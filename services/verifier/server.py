@@ -37,14 +37,14 @@ SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 @dataclass(frozen=True, slots=True)
 class VerifierConfig:
     model: str = ""  # HF checkpoint directory or .gguf file; "" = the default model
-    max_seqs: int = 8  # KV slots
+    max_running: int = 8  # KV slots
     max_len: int = 2048  # KV rows per sequence
     rule: str | None = None  # acceptance rule at temperature > 0 (None = scheme default)
     max_tree_nodes: int = 128  # largest tree (after fusion) one sequence may send
     weights: str = "auto"  # q4 | fp32 | auto (see lyanna.model.load_model)
 
     def __post_init__(self) -> None:
-        TargetConfig(self.max_seqs, self.max_len, self.rule)
+        TargetConfig(self.max_running, self.max_len, self.rule)
         if self.weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights must be one of {WEIGHT_FORMATS}")
         if self.max_tree_nodes < 1:
@@ -64,7 +64,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.sender = sender
         self.model_name = model_name
         self.vocab_size = runner.model.config.vocab_size
-        self.metrics = VerifierMetrics(config.max_seqs)
+        self.metrics = VerifierMetrics(config.max_running)
         self._lock = threading.Lock()
 
     @rpc_errors
@@ -179,7 +179,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         model_config = self.runner.model.config
         return verifier_pb2.CapacityResponse(
             free_slots=self.runner.num_free_slots,
-            total_slots=self.config.max_seqs,
+            total_slots=self.config.max_running,
             max_len=self.runner.max_len,
             vocab_size=model_config.vocab_size,
             hidden_size=model_config.hidden_size,
@@ -231,7 +231,7 @@ def build_servicer(config: VerifierConfig, server_config: ServerConfig) -> Verif
 
     path = config.model or str(fetch_default_model())
     model = load_model(path, weights=config.weights)
-    runner = TargetRunner(model, TargetConfig(config.max_seqs, config.max_len, config.rule))
+    runner = TargetRunner(model, TargetConfig(config.max_running, config.max_len, config.rule))
     plane = None
     if server_config.plane != "grpc":
         plane = DataPlane(

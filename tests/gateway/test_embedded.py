@@ -10,8 +10,9 @@ import time
 import httpx
 import pytest
 
-from gateway.backend import BackendBusy, BackendUnavailable, GenerationRequest
+from gateway.backend import BackendBusy, BackendUnavailable, GenerationRequest, TokenDelta
 from gateway.embedded import EmbeddedBackend, EmbeddedConfig
+from lyanna.drafters.base import NoDrafter
 from lyanna.sampling import SamplingParams
 from tests.gateway.conftest import MODEL_NAME, start_gateway
 
@@ -41,7 +42,7 @@ def test_closing_the_iterator_frees_the_sequence(loaded) -> None:
             second = await anext(deltas)
             assert second.step is not None and second.step.method == "ar"
             await deltas.aclose()
-            engine = backend._engines["ar"]
+            engine = backend.engine
             await asyncio.to_thread(wait_until, lambda: not engine.has_work)
             assert engine.cache.num_free_slots == engine.cache.num_slots
             finished = [d async for d in backend.generate(request(3))]
@@ -85,7 +86,7 @@ def test_client_disconnect_cancels_the_stream(loaded) -> None:
         with httpx.stream("POST", server.url + "/v1/chat/completions", json=body) as response:
             lines = response.iter_lines()
             assert next(lines).startswith("data: ")
-        engine = server.app.state.backend._engines["ngram"]
+        engine = server.app.state.backend.engine
         wait_until(lambda: not engine.has_work)
         assert engine.cache.num_free_slots == engine.cache.num_slots
         metrics = httpx.get(server.url + "/metrics").text
@@ -100,12 +101,12 @@ def test_client_disconnect_cancels_the_stream(loaded) -> None:
 
 
 def test_full_waiting_queue_is_busy(loaded) -> None:
-    config = EmbeddedConfig(default_method="ar", max_len=512, max_batch=1, max_waiting=1)
+    config = EmbeddedConfig(default_method="ar", max_len=512, max_running=1, max_waiting=1)
     backend = EmbeddedBackend(loaded.model, loaded.eos_token_ids, config)
 
     async def scenario() -> None:
         await backend.start()
-        engine = backend._engines["ar"]
+        engine = backend.engine
         step = engine.step
         engine.step = lambda: (time.sleep(0.005), step())[1]  # outlasts the timeout anywhere
         try:
@@ -128,12 +129,12 @@ def test_full_waiting_queue_is_busy(loaded) -> None:
 def test_a_request_that_finds_no_slot_in_time_is_busy_and_loses_nothing(loaded) -> None:
     """The only slot stays taken: the next request gets BackendBusy after queue_timeout
     (not a wait forever), and the running request goes on to its full length."""
-    config = EmbeddedConfig(default_method="ar", max_len=512, max_batch=1, queue_timeout=0.3)
+    config = EmbeddedConfig(default_method="ar", max_len=512, max_running=1, queue_timeout=0.3)
     backend = EmbeddedBackend(loaded.model, loaded.eos_token_ids, config)
 
     async def scenario() -> None:
         await backend.start()
-        engine = backend._engines["ar"]
+        engine = backend.engine
         step = engine.step
         engine.step = lambda: (time.sleep(0.005), step())[1]  # outlasts the timeout anywhere
         try:
@@ -154,6 +155,70 @@ def test_a_request_that_finds_no_slot_in_time_is_busy_and_loses_nothing(loaded) 
             again = backend.generate(request(2))  # the slot is free again
             assert (await anext(again)).prompt_tokens == 4
             await again.aclose()
+        finally:
+            await backend.stop()
+
+    asyncio.run(scenario())
+
+
+class ExplodingDrafter(NoDrafter):
+    """Drafts like AR until told to fail (the warm-up must pass)."""
+
+    armed = False
+
+    def propose(self, seq_ids):
+        if self.armed:
+            raise RuntimeError("drafter bug")
+        return super().propose(seq_ids)
+
+
+def test_a_failing_drafter_fails_its_step_and_stops_serving_its_method(loaded) -> None:
+    """The step it broke fails (503 to the request in it), its method reports degraded and
+    is refused from then on, and the other methods keep serving from the same engine."""
+    config = EmbeddedConfig(default_method="ar", max_len=512)
+    backend = EmbeddedBackend(loaded.model, loaded.eos_token_ids, config)
+
+    async def scenario() -> None:
+        await backend.start()
+        try:
+            drafter = ExplodingDrafter()
+            await asyncio.to_thread(backend.engine.add_method, "ngram", drafter)
+            drafter.armed = True
+            deltas = backend.generate(request(8, "ngram"))
+            assert len((await anext(deltas)).token_ids) == 1  # the prefill token
+            with pytest.raises(BackendUnavailable, match="engine error"):
+                await anext(deltas)
+            assert (await backend.health())["method:ngram"].startswith("degraded:")
+            with pytest.raises(BackendUnavailable, match="'ngram' is unavailable"):
+                await anext(backend.generate(request(2, "ngram")))
+            served = [d async for d in backend.generate(request(3, "ar"))]
+            assert sum(len(d.token_ids) for d in served) == 3
+            engine = backend.engine
+            await asyncio.to_thread(wait_until, lambda: not engine.has_work)
+            assert engine.cache.num_free_slots == engine.cache.num_slots
+        finally:
+            await backend.stop()
+
+    asyncio.run(scenario())
+
+
+def test_requests_of_different_methods_share_one_engine(loaded) -> None:
+    config = EmbeddedConfig(default_method="ar", max_len=512)
+    backend = EmbeddedBackend(loaded.model, loaded.eos_token_ids, config)
+
+    async def collect(method: str) -> list[TokenDelta]:
+        return [d async for d in backend.generate(request(6, method))]
+
+    async def scenario() -> None:
+        await backend.start()
+        try:
+            ar, ngram = await asyncio.gather(collect("ar"), collect("ngram"))
+            assert sum(len(d.token_ids) for d in ar) == sum(len(d.token_ids) for d in ngram) == 6
+            assert {d.step.method for d in ngram if d.step} == {"ngram"}
+            assert {d.step.method for d in ar if d.step} == {"ar"}
+            assert set(backend.engine.drafters) == {"ar", "ngram"}
+            by_method = backend.engine.scheduler.stats_by_method
+            assert by_method["ar"].num_steps > 0 and by_method["ngram"].num_steps > 0
         finally:
             await backend.stop()
 

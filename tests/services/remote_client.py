@@ -45,7 +45,7 @@ def plain_greedy(model, prompts, max_tokens: int) -> list[list[int]]:
 def engine_outputs(
     model, drafter: Drafter | None, prompts, params: SamplingParams
 ) -> list[list[int]]:
-    engine = SpecEngine(model, drafter, EngineConfig(max_batch=len(prompts), max_len=512))
+    engine = SpecEngine(model, drafter, EngineConfig(max_running=len(prompts), max_len=512))
     seqs = [Sequence(i, p, params) for i, p in enumerate(prompts)]
     for seq in seqs:
         engine.submit(seq)

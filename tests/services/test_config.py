@@ -11,14 +11,14 @@ from services.verifier.server import VerifierConfig
 
 
 def test_flags_over_environment_over_defaults() -> None:
-    env = {"LYANNA_VERIFIER_MAX_SEQS": "4", "LYANNA_VERIFIER_PORT": "7000"}
+    env = {"LYANNA_VERIFIER_MAX_RUNNING": "4", "LYANNA_VERIFIER_PORT": "7000"}
     server, verifier = parse_configs(
         (ServerConfig, VerifierConfig),
         ["--port", "7001", "--rule", "tokenwise"],
         "LYANNA_VERIFIER_",
         env,
     )
-    assert server.port == 7001 and verifier.max_seqs == 4 and verifier.rule == "tokenwise"
+    assert server.port == 7001 and verifier.max_running == 4 and verifier.rule == "tokenwise"
     assert server.max_message_bytes == 64 * 1024 * 1024 and verifier.max_len == 2048
     env = {"LYANNA_DRAFTER_TOP_K": "2", "LYANNA_DRAFTER_METHOD": "ngram"}
     _, drafter = parse_configs((ServerConfig, DrafterConfig), [], "LYANNA_DRAFTER_", env)

@@ -38,7 +38,9 @@ class FakeContext:
 
 
 def verifier() -> VerifierServicer:
-    runner = TargetRunner(make_tiny_model(2, vocab_size=16), TargetConfig(max_seqs=2, max_len=128))
+    runner = TargetRunner(
+        make_tiny_model(2, vocab_size=16), TargetConfig(max_running=2, max_len=128)
+    )
     return VerifierServicer(runner, VerifierConfig(max_tree_nodes=32), HiddenSender())
 
 

@@ -20,7 +20,7 @@ def tiny_lyanna(
 ) -> LyannaDrafter:
     capacity = capacity or DraftCapacity()
     return LyannaDrafter(
-        model, tiny_draft(model), budget, max_seqs=capacity.max_seqs, max_len=capacity.max_len
+        model, tiny_draft(model), budget, max_running=capacity.max_running, max_len=capacity.max_len
     )
 
 
@@ -39,8 +39,8 @@ class SlowDrafter:
         time.sleep(self.delay_seconds)
         return self.inner.propose(seq_ids)
 
-    def on_verified(self, steps: list[VerifiedStep]) -> None:
-        self.inner.on_verified(steps)
+    def on_verified(self, steps: list[VerifiedStep]) -> dict[int, int]:
+        return self.inner.on_verified(steps)
 
     def release(self, seq_id: int) -> None:
         self.inner.release(seq_id)

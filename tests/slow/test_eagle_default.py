@@ -29,7 +29,7 @@ def test_checkpoint_accepts_and_matches_greedy(default_model, default_tokenizer)
     prompts = [chat_prompt_ids(default_tokenizer, chat) for chat in chats]
     params = SamplingParams(max_tokens=96)
     drafter = EagleDrafter(default_model, budget=DraftBudget(depth=5, top_k=4, max_tokens=16))
-    engine = SpecEngine(default_model, drafter, EngineConfig(max_batch=1, max_len=1024))
+    engine = SpecEngine(default_model, drafter, EngineConfig(max_running=1, max_len=1024))
     seqs = [Sequence(i, p, params, eos_token_ids=eos) for i, p in enumerate(prompts)]
     for s in seqs:
         engine.submit(s)

@@ -70,7 +70,7 @@ def test_q4_speculation_equals_q4_greedy(method, q4_model, prompts, default_toke
     drafter = make_drafter(method, q4_model, DraftBudget(depth=4, top_k=4, max_tokens=12))
     if method != "ngram":  # hot heads gathered from the file's Q8_0 embedding
         assert isinstance(drafter.lm_head, BlockLinear)
-    engine = SpecEngine(q4_model, drafter, EngineConfig(max_batch=2, max_len=1024))
+    engine = SpecEngine(q4_model, drafter, EngineConfig(max_running=2, max_len=1024))
     seqs = [Sequence(i, p, SamplingParams(max_tokens=40), eos) for i, p in enumerate(prompts)]
     for seq in seqs:
         engine.submit(seq)

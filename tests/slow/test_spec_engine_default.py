@@ -38,7 +38,7 @@ def plain_outputs(default_model, default_tokenizer):
 def test_speculative_greedy_equals_plain(method, default_model, plain_outputs) -> None:
     prompts, eos, expected = plain_outputs
     drafter = make_drafter(method, default_model, DraftBudget(depth=4, top_k=4, max_tokens=12))
-    engine = SpecEngine(default_model, drafter, EngineConfig(max_batch=2, max_len=1024))
+    engine = SpecEngine(default_model, drafter, EngineConfig(max_running=2, max_len=1024))
     seqs = [Sequence(i, p, SamplingParams(max_tokens=48), eos) for i, p in enumerate(prompts)]
     for seq in seqs:
         engine.submit(seq)
@@ -50,10 +50,10 @@ def test_speculative_greedy_equals_plain(method, default_model, plain_outputs) -
 @pytest.mark.parametrize("method", ["eagle", "sps", "lyanna"])
 def test_drafters_hold_as_many_sequences_as_the_engine_admits(method, default_model) -> None:
     """Defect: the learned drafters kept 16 KV slots whatever the engine admitted, so an
-    embedded server with --max-batch above 16 failed every request once the 17th arrived."""
-    capacity = DraftCapacity(max_seqs=20, max_len=256)
+    embedded server with --max-running above 16 failed every request once the 17th arrived."""
+    capacity = DraftCapacity(max_running=20, max_len=256)
     drafter = make_drafter(method, default_model, DraftBudget(2, 2, 4), capacity)
-    engine = SpecEngine(default_model, drafter, EngineConfig(max_batch=20, max_len=256))
+    engine = SpecEngine(default_model, drafter, EngineConfig(max_running=20, max_len=256))
     seqs = [Sequence(i, [1, 2, 3 + i], SamplingParams(max_tokens=2)) for i in range(20)]
     for seq in seqs:
         engine.submit(seq)
@@ -63,7 +63,7 @@ def test_drafters_hold_as_many_sequences_as_the_engine_admits(method, default_mo
         small = SpecEngine(
             default_model,
             make_drafter(method, default_model, DraftBudget(2, 2, 4)),
-            EngineConfig(max_batch=20, max_len=256),
+            EngineConfig(max_running=20, max_len=256),
         )
         for i in range(20):
             small.submit(Sequence(i, [1, 2, 3 + i], SamplingParams(max_tokens=2)))

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import pytest
 
-from lyanna.decode import generate
 from lyanna.drafters.base import DraftBudget
 from lyanna.drafters.eagle import EagleDrafter
 from lyanna.drafters.gate import DraftGate, GateConfig, GatedDrafter
 from lyanna.drafters.ngram import NgramDrafter
-from lyanna.sampling import SamplingParams
-from lyanna.sequence import Sequence
 from lyanna.tree_cost import VerifyCost
 from tests.conftest import make_tiny_model
-from tests.unit.test_eagle import PROMPTS, random_head, run_engine
+from tests.unit.test_eagle import (
+    PROMPTS,
+    plain_outputs,
+    random_head,
+    run_checking_draft_kv,
+    run_engine,
+)
 
 # a second row costs half a step: a drafted step pays from 0.5 accepted tokens on
 HALF_STEP_ROW = VerifyCost((1, 2), (1.0, 1.5))
@@ -78,34 +81,25 @@ def test_bad_gate_settings_are_refused() -> None:
 NEVER_PAYS = VerifyCost((1, 2), (1.0, 3.0))
 
 
-@pytest.mark.parametrize("max_batch", [1, 3])
-def test_a_gated_eagle_drafter_stays_lossless_and_in_sync(max_batch: int) -> None:
+@pytest.mark.parametrize("max_running", [1, 3])
+def test_a_gated_eagle_drafter_stays_lossless_and_in_sync(max_running: int) -> None:
     model = make_tiny_model(2, vocab_size=16)
     budget = DraftBudget(2, 2, 3, cost=NEVER_PAYS)
-    inner = EagleDrafter(model, random_head(model), budget, max_seqs=max_batch, max_len=256)
+    inner = EagleDrafter(model, random_head(model), budget, max_running=max_running, max_len=256)
     drafter = GatedDrafter(inner, DraftGate(NEVER_PAYS, GateConfig(probe_after=2)))
-    engine, seqs = run_engine(model, drafter, PROMPTS, max_batch)
-    while engine.has_work:
-        engine.step()
-        for seq_id, slot in engine.slots.items():  # draft KV (+ queued rows) == target KV
-            state = inner._seqs[seq_id]
-            num_rows = int(inner.cache.lengths[state.slot]) + len(state.pending_tokens)
-            assert num_rows == int(engine.cache.lengths[slot])
-    expected = [Sequence(i, p, SamplingParams(max_tokens=24)) for i, p in enumerate(PROMPTS)]
-    generate(model, expected)
-    assert [s.output_ids for s in seqs] == [s.output_ids for s in expected]
+    engine, seqs = run_engine(model, drafter, PROMPTS, max_running)
+    run_checking_draft_kv(engine, inner)
+    assert [s.output_ids for s in seqs] == plain_outputs(model, PROMPTS)
     assert drafter.num_gated_steps > engine.stats.num_steps // 2  # mostly plain steps
-    assert inner.cache.num_free_slots == max_batch and not inner._seqs and not drafter._roots
+    assert inner.cache.num_free_slots == max_running and not inner._seqs
 
 
 def test_a_gated_ngram_drafter_keeps_drafting_a_repetitive_sequence() -> None:
     model = make_tiny_model(3, vocab_size=16)
     free_rows = VerifyCost((1, 2, 16), (1.0, 1.0, 1.0))  # rows cost nothing: drafting pays
     drafter = GatedDrafter(NgramDrafter(DraftBudget(3, 1, 3)), DraftGate(free_rows))
-    engine, seqs = run_engine(model, drafter, [[4, 4, 4, 4, 4, 4]], max_batch=1, max_tokens=32)
+    engine, seqs = run_engine(model, drafter, [[4, 4, 4, 4, 4, 4]], max_running=1, max_tokens=32)
     engine.run()
-    expected = [Sequence(0, [4, 4, 4, 4, 4, 4], SamplingParams(max_tokens=32))]
-    generate(model, expected)
-    assert seqs[0].output_ids == expected[0].output_ids
+    assert [s.output_ids for s in seqs] == plain_outputs(model, [[4, 4, 4, 4, 4, 4]], 32)
     assert drafter.num_gated_steps == 0 and engine.stats.num_drafted > 0
     assert drafter.budget is drafter.inner.budget  # other attributes are the inner drafter's

@@ -263,7 +263,7 @@ def test_dynamic_tree_equals_per_node_builder(seed: int) -> None:
         hot[: hot.numel() // 2] = hot[hot.numel() // 2 : 2 * (hot.numel() // 2)].clone()
     budget = DraftBudget(rng.randint(1, 5), rng.randint(1, 5), rng.randint(1, 40))
     batch = rng.randint(1, 4)
-    drafter = EagleDrafter(model, head, budget, max_seqs=batch, max_len=128)
+    drafter = EagleDrafter(model, head, budget, max_running=batch, max_len=128)
     masks = recording_masks(drafter)
     d = model.config.hidden_size
     for s in range(batch):

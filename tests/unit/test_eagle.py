@@ -35,32 +35,43 @@ def random_head(model, seed: int = 0, hot: int | None = None) -> EagleHead:
     return head
 
 
-def run_engine(model, drafter, prompts, max_batch: int, max_tokens: int = 24):
-    engine = SpecEngine(model, drafter, EngineConfig(max_batch=max_batch, max_len=256))
+def run_engine(model, drafter, prompts, max_running: int, max_tokens: int = 24):
+    engine = SpecEngine(model, drafter, EngineConfig(max_running=max_running, max_len=256))
     seqs = [Sequence(i, p, SamplingParams(max_tokens=max_tokens)) for i, p in enumerate(prompts)]
     for s in seqs:
         engine.submit(s)
     return engine, seqs
 
 
-@pytest.mark.parametrize("max_batch", [1, 3])
-@pytest.mark.parametrize(
-    "budget", [DraftBudget(3, 2, 5), DraftBudget(5, 4, 16), DraftBudget(5, 4, 16, cost=COST)]
-)
-def test_greedy_equals_plain_decoding(max_batch: int, budget: DraftBudget) -> None:
-    model = make_tiny_model(2, vocab_size=16)
-    drafter = EagleDrafter(model, random_head(model), budget, max_seqs=max_batch, max_len=256)
-    engine, seqs = run_engine(model, drafter, PROMPTS, max_batch)
+def run_checking_draft_kv(engine: SpecEngine, drafter: EagleDrafter) -> None:
+    """Step to the end, checking after every step: draft KV (+ queued rows) == target KV."""
     while engine.has_work:
         engine.step()
-        for seq_id, slot in engine.slots.items():  # draft KV (+ queued rows) == target KV
+        for seq_id, slot in engine.slots.items():
             state = drafter._seqs[seq_id]
             num_rows = int(drafter.cache.lengths[state.slot]) + len(state.pending_tokens)
             assert num_rows == int(engine.cache.lengths[slot])
-    expected = [Sequence(i, p, SamplingParams(max_tokens=24)) for i, p in enumerate(PROMPTS)]
+
+
+def plain_outputs(model, prompts, max_tokens: int = 24) -> list[list[int]]:
+    expected = [
+        Sequence(i, p, SamplingParams(max_tokens=max_tokens)) for i, p in enumerate(prompts)
+    ]
     generate(model, expected)
-    assert [s.output_ids for s in seqs] == [s.output_ids for s in expected]
-    assert drafter.cache.num_free_slots == max_batch and not drafter._seqs
+    return [s.output_ids for s in expected]
+
+
+@pytest.mark.parametrize("max_running", [1, 3])
+@pytest.mark.parametrize(
+    "budget", [DraftBudget(3, 2, 5), DraftBudget(5, 4, 16), DraftBudget(5, 4, 16, cost=COST)]
+)
+def test_greedy_equals_plain_decoding(max_running: int, budget: DraftBudget) -> None:
+    model = make_tiny_model(2, vocab_size=16)
+    drafter = EagleDrafter(model, random_head(model), budget, max_running=max_running, max_len=256)
+    engine, seqs = run_engine(model, drafter, PROMPTS, max_running)
+    run_checking_draft_kv(engine, drafter)
+    assert [s.output_ids for s in seqs] == plain_outputs(model, PROMPTS)
+    assert drafter.cache.num_free_slots == max_running and not drafter._seqs
     assert engine.stats.num_drafted > 0
 
 
@@ -72,7 +83,7 @@ def test_bf16_draft_weights_stay_lossless() -> None:
     assert drafter.lm_head.dtype == (  # AVX2-only CPUs keep the bf16-rounded weights in fp32
         torch.bfloat16 if bf16_prepacking_supported() else torch.float32
     )
-    engine, seqs = run_engine(model, drafter, PROMPTS, max_batch=2)
+    engine, seqs = run_engine(model, drafter, PROMPTS, max_running=2)
     engine.run()
     expected = [Sequence(i, p, SamplingParams(max_tokens=24)) for i, p in enumerate(PROMPTS)]
     generate(model, expected)
@@ -82,8 +93,8 @@ def test_bf16_draft_weights_stay_lossless() -> None:
 
 def test_sampled_decoding_runs_with_the_deterministic_rule() -> None:
     model = make_tiny_model(3, vocab_size=16)
-    drafter = EagleDrafter(model, random_head(model), DraftBudget(3, 2, 6), max_seqs=2)
-    engine = SpecEngine(model, drafter, EngineConfig(max_batch=2, max_len=128))
+    drafter = EagleDrafter(model, random_head(model), DraftBudget(3, 2, 6), max_running=2)
+    engine = SpecEngine(model, drafter, EngineConfig(max_running=2, max_len=128))
     seq = Sequence(0, PROMPTS[0], SamplingParams(temperature=0.8, max_tokens=20, seed=1))
     engine.submit(seq)
     engine.run()
@@ -95,7 +106,7 @@ def test_sampled_decoding_runs_with_the_deterministic_rule() -> None:
 )
 def test_tree_respects_budget(budget: DraftBudget) -> None:
     model = make_tiny_model(1, vocab_size=32)
-    drafter = EagleDrafter(model, random_head(model, hot=20), budget, max_seqs=2)
+    drafter = EagleDrafter(model, random_head(model, hot=20), budget, max_running=2)
     hidden = [
         model(
             torch.tensor([p]), torch.arange(len(p))[None], model.new_cache(1, 64), torch.tensor([0])
@@ -135,7 +146,7 @@ def test_runtime_matches_unrolled_training_forward() -> None:
     with torch.no_grad():
         steps = trainer.unroll(tokens, hidden.clone(), num_steps=3)
     P = 6  # prompt length; the root (first token) is tokens[P]
-    drafter = EagleDrafter(model, head, DraftBudget(3, 2, 8), max_seqs=1, max_len=64)
+    drafter = EagleDrafter(model, head, DraftBudget(3, 2, 8), max_running=1, max_len=64)
     drafter.start(0, tokens[0, :P].tolist(), hidden[0, :P], int(tokens[0, P]))
     state = drafter._seqs[0]
     torch.testing.assert_close(state.root_state, steps[0][0, P - 1], atol=1e-4, rtol=1e-4)

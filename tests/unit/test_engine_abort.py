@@ -16,7 +16,7 @@ def test_abort_frees_running_and_waiting_sequences() -> None:
     engine = SpecEngine(
         make_tiny_model(2, vocab_size=16),
         NgramDrafter(DraftBudget(depth=3, top_k=2, max_tokens=4)),
-        EngineConfig(max_batch=1, max_len=128),
+        EngineConfig(max_running=1, max_len=128),
     )
     seqs = [Sequence(i, [1, 2, 3, 1, 2], SamplingParams(max_tokens=30)) for i in range(2)]
     for seq in seqs:
@@ -31,7 +31,7 @@ def test_abort_frees_running_and_waiting_sequences() -> None:
 
 
 def test_admit_prefills_without_verifying() -> None:
-    engine = SpecEngine(make_tiny_model(2, vocab_size=16), None, EngineConfig(max_batch=2))
+    engine = SpecEngine(make_tiny_model(2, vocab_size=16), None, EngineConfig(max_running=2))
     seqs = [Sequence(i, [1, 2, 3], SamplingParams(max_tokens=5)) for i in range(3)]
     for seq in seqs:
         engine.submit(seq)

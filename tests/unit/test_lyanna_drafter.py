@@ -88,7 +88,7 @@ def test_collapsed_table_equals_low_rank_product() -> None:
 
 
 def engine_outputs(target, drafter, prompts, max_tokens=20):
-    engine = SpecEngine(target, drafter, EngineConfig(max_batch=2, max_len=128))
+    engine = SpecEngine(target, drafter, EngineConfig(max_running=2, max_len=128))
     seqs = [Sequence(i, p, SamplingParams(max_tokens=max_tokens)) for i, p in enumerate(prompts)]
     for s in seqs:
         engine.submit(s)
@@ -109,7 +109,7 @@ def test_greedy_output_equals_plain_decoding(fusion: bool, cost_aware: bool) -> 
         tiny_draft(target),
         DraftBudget(depth=3, top_k=3, max_tokens=8, cost=cost),
         ResampleConfig(enabled=True, fusion=fusion),
-        max_seqs=2,
+        max_running=2,
         max_len=128,
     )
     outputs, stats = engine_outputs(target, drafter, PROMPTS)

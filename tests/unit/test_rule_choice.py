@@ -61,7 +61,7 @@ def test_choose_rule_keeps_the_lossless_choices() -> None:
 
 def test_runner_refuses_an_unpaired_rule_before_touching_the_sequence() -> None:
     runner = TargetRunner(
-        make_tiny_model(1, vocab_size=VOCAB), TargetConfig(max_seqs=1, max_len=64, rule="block")
+        make_tiny_model(1, vocab_size=VOCAB), TargetConfig(max_running=1, max_len=64, rule="block")
     )
     first = runner.prefill(0, [1, 2, 3], SamplingParams(temperature=0.8, seed=0)).first_token
     with pytest.raises(LossyRuleError, match="'block'.*WITHOUT_REPLACEMENT.*temperature 0.8"):

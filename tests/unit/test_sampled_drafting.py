@@ -193,7 +193,7 @@ def test_per_row_processing_equals_processing_each_row() -> None:
 
 def eagle_drafter(model, budget: DraftBudget, hot: int | None = 20, **kwargs) -> EagleDrafter:
     head = random_head(model, hot=hot)
-    return EagleDrafter(model, head, budget, max_seqs=4, max_len=128, **kwargs)
+    return EagleDrafter(model, head, budget, max_running=4, max_len=128, **kwargs)
 
 
 def start(drafter, model, params_by_seq: list[SamplingParams | None]) -> None:
@@ -334,7 +334,7 @@ def test_speculative_sampling_matches_plain_sampling(method: str) -> None:
         return trees
 
     drafter.propose = counting_propose
-    engine = SpecEngine(model, drafter, EngineConfig(max_batch=4, max_len=128))
+    engine = SpecEngine(model, drafter, EngineConfig(max_running=4, max_len=128))
     params = [SamplingParams(1.0, max_tokens=length, seed=i) for i in range(runs)]
     seqs = [Sequence(i, prompt, p) for i, p in enumerate(params)]
     for seq in seqs:

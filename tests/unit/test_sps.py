@@ -47,11 +47,13 @@ def drafter_from(model, trainer: SpsTrainModel, budget: DraftBudget, **kwargs) -
     return SpsDrafter(student, trainer.target.hot_vocab, budget, **kwargs)
 
 
-@pytest.mark.parametrize("max_batch", [1, 3])
-def test_greedy_equals_plain_decoding(max_batch: int) -> None:
+@pytest.mark.parametrize("max_running", [1, 3])
+def test_greedy_equals_plain_decoding(max_running: int) -> None:
     model = make_tiny_model(2, vocab_size=16)
-    drafter = drafter_from(model, tiny_trainer(model, 2), DraftBudget(4, 3, 10), max_seqs=max_batch)
-    engine = SpecEngine(model, drafter, EngineConfig(max_batch=max_batch, max_len=256))
+    drafter = drafter_from(
+        model, tiny_trainer(model, 2), DraftBudget(4, 3, 10), max_running=max_running
+    )
+    engine = SpecEngine(model, drafter, EngineConfig(max_running=max_running, max_len=256))
     seqs = [Sequence(i, p, SamplingParams(max_tokens=24)) for i, p in enumerate(PROMPTS)]
     for s in seqs:
         engine.submit(s)
@@ -64,7 +66,7 @@ def test_greedy_equals_plain_decoding(max_batch: int) -> None:
     expected = [Sequence(i, p, SamplingParams(max_tokens=24)) for i, p in enumerate(PROMPTS)]
     generate(model, expected)
     assert [s.output_ids for s in seqs] == [s.output_ids for s in expected]
-    assert drafter.cache.num_free_slots == max_batch and not drafter._seqs
+    assert drafter.cache.num_free_slots == max_running and not drafter._seqs
     assert engine.stats.num_drafted > 0
 
 
@@ -76,7 +78,7 @@ def test_runtime_student_matches_training_forward() -> None:
     tokens = torch.tensor([[3, 9, 4, 1, 8, 2, 6, 5, 7, 11, 12]])
     with torch.no_grad():
         reference = trainer(tokens)[:, 1:]  # [0, i]: output at tokens[i + 1]
-    drafter = drafter_from(model, trainer, DraftBudget(3, 2, 8), max_seqs=1, max_len=64)
+    drafter = drafter_from(model, trainer, DraftBudget(3, 2, 8), max_running=1, max_len=64)
     P = 6  # prompt length; the root (first token) is tokens[P]
     drafter.start(0, tokens[0, :P].tolist(), None, int(tokens[0, P]))
     drafter.propose([0])

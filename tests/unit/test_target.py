@@ -12,7 +12,9 @@ from tests.conftest import make_tiny_model
 
 
 def test_root_only_steps_follow_greedy_and_commit() -> None:
-    runner = TargetRunner(make_tiny_model(1, vocab_size=16), TargetConfig(max_seqs=2, max_len=64))
+    runner = TargetRunner(
+        make_tiny_model(1, vocab_size=16), TargetConfig(max_running=2, max_len=64)
+    )
     prefilled = runner.prefill(7, [1, 2, 3], SamplingParams(max_tokens=8))
     assert prefilled.num_committed == 3 and prefilled.hidden.shape[0] == 3
     [result] = runner.verify([7], [TokenTree.root_only(prefilled.first_token)], True)
@@ -22,7 +24,9 @@ def test_root_only_steps_follow_greedy_and_commit() -> None:
 
 
 def test_unknown_and_out_of_step_sequences_are_refused() -> None:
-    runner = TargetRunner(make_tiny_model(1, vocab_size=16), TargetConfig(max_seqs=1, max_len=64))
+    runner = TargetRunner(
+        make_tiny_model(1, vocab_size=16), TargetConfig(max_running=1, max_len=64)
+    )
     with pytest.raises(UnknownSequenceError):
         runner.verify([3], [TokenTree.root_only(1)])
     first = runner.prefill(3, [1, 2], SamplingParams()).first_token
@@ -34,9 +38,11 @@ def test_unknown_and_out_of_step_sequences_are_refused() -> None:
 
 def test_prefill_accepts_stop_strings_it_leaves_to_the_caller() -> None:
     """The runner decides tokens; stop strings are matched by whoever detokenizes."""
-    runner = TargetRunner(make_tiny_model(1, vocab_size=16), TargetConfig(max_seqs=1, max_len=64))
+    runner = TargetRunner(
+        make_tiny_model(1, vocab_size=16), TargetConfig(max_running=1, max_len=64)
+    )
     params = SamplingParams(max_tokens=8, stop=("\n\n",))
-    plain = TargetRunner(make_tiny_model(1, vocab_size=16), TargetConfig(max_seqs=1, max_len=64))
+    plain = TargetRunner(make_tiny_model(1, vocab_size=16), TargetConfig(max_running=1, max_len=64))
     expected = plain.prefill(0, [1, 2, 3], SamplingParams(max_tokens=8)).first_token
     assert runner.prefill(0, [1, 2, 3], params).first_token == expected
 
@@ -46,7 +52,7 @@ def test_a_batch_verifies_in_slot_order_and_reads_the_kv_as_a_view() -> None:
     order differ; the forward runs in slot order (a contiguous run reads the KV without a
     copy) and every sequence still gets its own verdict, the same as alone."""
     model = make_tiny_model(1, vocab_size=16)
-    runner = TargetRunner(model, TargetConfig(max_seqs=3, max_len=64))
+    runner = TargetRunner(model, TargetConfig(max_running=3, max_len=64))
     prompts = {0: [1, 2, 3], 1: [4, 5], 2: [6, 7, 8, 9]}
     for seq_id in (0, 1, 2):
         runner.prefill(seq_id, prompts[seq_id], SamplingParams(max_tokens=8))
@@ -60,7 +66,7 @@ def test_a_batch_verifies_in_slot_order_and_reads_the_kv_as_a_view() -> None:
     used, run = runner.cache._run_of  # the slots of the last forward and their run
     assert used.tolist() == [0, 1, 2] and run == slice(0, 3)
     for seq_id, result in zip(seq_ids, results, strict=True):
-        alone = TargetRunner(model, TargetConfig(max_seqs=1, max_len=64))
+        alone = TargetRunner(model, TargetConfig(max_running=1, max_len=64))
         alone.prefill(seq_id, prompts[seq_id], SamplingParams(max_tokens=8))
         expected = alone.verify([seq_id], [TokenTree.root_only(alone.next_token(seq_id))])[0]
         assert result.verdict.tokens == expected.verdict.tokens

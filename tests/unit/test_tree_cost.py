@@ -159,7 +159,8 @@ def test_serving_services_and_spec_bench_draft_the_same_measured_default(
     monkeypatch.setenv("LYANNA_CACHE", str(tmp_path))
     model = make_tiny_model(3, vocab_size=32)
     served = EmbeddedBackend(model, frozenset({0}), EmbeddedConfig(default_method="ngram"))
-    embedded = served._engine("ngram").drafter.budget
+    served._build()  # the engine and the default method's drafter, as at start
+    embedded = served.engine.drafters["ngram"].budget
     service = DrafterConfig(method="ngram").budget(model)
     flags = argparse.Namespace(depth=None, top_k=None, budget=None, tree="cost")
     benched = method_budget(flags, "ngram", model)
