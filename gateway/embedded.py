@@ -149,8 +149,8 @@ class EmbeddedBackend:
         status = {"engine": "ok" if alive else crashed}
         if self.engine is not None:  # copies first: the worker thread may add a method
             status.update({f"method:{m}": "ok" for m in list(self.engine.drafters)})
-        broken = list(self._broken.items())
-        status.update({f"method:{m}": f"degraded: {why}" for m, why in broken})
+        # why stays in the server log: exception text can name paths and internals
+        status.update({f"method:{m}": "degraded: unavailable" for m in list(self._broken)})
         return status
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:

@@ -13,9 +13,8 @@ Scheduling (all on the event loop, async gRPC clients, a deadline on every call)
   runs one lane, draft then verify, for comparison.
 - *Verification fusion*: the Lyanna drafter merges the subtree re-sampled after the last
   verification into its fresh tree under the budget, in the drafter process, which owns the
-  chain logits (the engine runs the same code); a drafter may instead return the subtree
-  apart (``Proposal.resampled``) and the verifier merges it. Either way the verified tree is
-  a deterministic candidate set, so the acceptance rule stays lossless.
+  chain logits (the engine runs the same code). The fused tree is a deterministic candidate
+  set, so the acceptance rule stays lossless.
 - *Fallback*: when the drafter fails or misses ``draft_deadline``, the lane verifies
   root-only trees (plain target decoding, still exact) and retries the drafter after
   ``drafter_retry_seconds``. A sequence whose drafter state is in doubt is started again from
@@ -251,11 +250,9 @@ class RemoteBackend(Admission):
             wants_hidden = self.drafter is not None and self.drafter.wants_hidden(
                 seq, proposal is not None
             )
-            item = verifier_pb2.VerifyItem(ref=seq.ref(), tree=tree, return_hidden=wants_hidden)
-            if proposal is not None and proposal.HasField("resampled"):
-                item.resampled.CopyFrom(proposal.resampled)
-                item.max_draft_tokens = self.drafter.budget
-            items.append(item)
+            items.append(
+                verifier_pb2.VerifyItem(ref=seq.ref(), tree=tree, return_hidden=wants_hidden)
+            )
         use_plane = self.drafter is not None and self.drafter.plane_ok
         request = verifier_pb2.VerifyRequest(items=items, use_data_plane=use_plane)
         start = time.perf_counter()

@@ -94,12 +94,16 @@ class Admission:
         self._admit.set()
 
     async def _prefill(self, batch: list[RemoteSeq]) -> None:
+        items = []
+        for seq in list(batch):  # one request's bad field must not fail the others
+            try:
+                wants_hidden = self.drafter is not None and self.drafter.wants_hidden(seq, True)
+                items.append(seq.prefill_item(wants_hidden))
+            except (ValueError, TypeError) as error:
+                batch.remove(seq)
+                seq.deliver(ValueError(f"the request cannot be encoded: {error}"))
         if not batch:
             return
-        items = [
-            s.prefill_item(self.drafter is not None and self.drafter.wants_hidden(s, True))
-            for s in batch
-        ]
         resuming = [s for s in batch if s.resume_by is not None]
         if resuming:  # a verifier that only timed out may still hold them
             await self._release_on_verifier(resuming)

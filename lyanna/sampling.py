@@ -38,6 +38,8 @@ class SamplingParams:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2^64), got {self.seed}")  # the wire's uint64
 
     @property
     def greedy(self) -> bool:

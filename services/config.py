@@ -33,6 +33,7 @@ class ServerConfig:
     max_message_mb: int = 64  # max send and receive message size
     grace_seconds: float = 10.0  # SIGTERM: in-flight calls get this long to finish
     workers: int = 8  # gRPC handler threads (model work is serialized by a lock)
+    max_concurrent_rpcs: int = 64  # beyond this, calls are shed with RESOURCE_EXHAUSTED
     torch_threads: int = 0  # 0 = torch's default
     # torch.distributed data plane for hidden states: "grpc" (inline, no data plane), "gloo"
     # (CPU) or "nccl" (GPU); the verifier is rank 0, the drafter rank 1.
@@ -54,8 +55,10 @@ class ServerConfig:
             raise ValueError(
                 f"metrics_port must be -1 (off) or in [0, 65536), got {self.metrics_port}"
             )
-        if self.max_message_mb < 1 or self.workers < 1 or self.torch_threads < 0:
-            raise ValueError("max_message_mb and workers must be >= 1, torch_threads >= 0")
+        if min(self.max_message_mb, self.workers, self.max_concurrent_rpcs) < 1:
+            raise ValueError("max_message_mb, workers and max_concurrent_rpcs must be >= 1")
+        if self.torch_threads < 0:
+            raise ValueError("torch_threads must be >= 0")
         if self.grace_seconds < 0:
             raise ValueError("grace_seconds must be >= 0")
         if self.plane not in PLANE_BACKENDS:

@@ -112,7 +112,9 @@ def serve(
     """Run a server until SIGTERM or SIGINT, then report NOT_SERVING, stop taking calls and
     let in-flight ones finish for ``grace_seconds``."""
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.workers), options=config.grpc_options()
+        futures.ThreadPoolExecutor(max_workers=config.workers),
+        options=config.grpc_options(),
+        maximum_concurrent_rpcs=config.max_concurrent_rpcs,  # load shedding, not a queue
     )
     add_servicers(server)
     health_servicer = health.HealthServicer()

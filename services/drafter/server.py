@@ -44,7 +44,15 @@ from services.data_plane import DataPlane
 from services.hidden import HiddenReceiver
 from services.metrics import DrafterMetrics, serve_metrics
 from services.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
-from services.server import exit_with_parent, invalid, not_found, out_of_step, rpc_errors, serve
+from services.server import (
+    ServiceError,
+    exit_with_parent,
+    invalid,
+    not_found,
+    out_of_step,
+    rpc_errors,
+    serve,
+)
 
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 log = logging.getLogger("lyanna.services.drafter")
@@ -156,6 +164,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 steps = [self._step_of(item) for item in items]
             finally:
                 self.receiver.end_batch()
+            if not context.is_active():  # waited past the caller's deadline: the gateway
+                # will start these sequences again, so drop them rather than draft for no one
+                for seq_id in seq_ids:
+                    self._drop(seq_id)
+                raise ServiceError(grpc.StatusCode.CANCELLED, "the caller is gone; nothing drafted")
             start = time.perf_counter()
             try:
                 resampled = [self._learn(step) for step in steps]

@@ -82,16 +82,14 @@ class ProposeRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("ref", "tree", "resampled", "num_resampled_accepted")
+    __slots__ = ("ref", "tree", "num_resampled_accepted")
     REF_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
-    RESAMPLED_FIELD_NUMBER: _ClassVar[int]
     NUM_RESAMPLED_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     ref: _common_pb2.SeqRef
     tree: _common_pb2.TokenTree
-    resampled: _common_pb2.TokenTree
     num_resampled_accepted: int
-    def __init__(self, ref: _Optional[_Union[_common_pb2.SeqRef, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., resampled: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., num_resampled_accepted: _Optional[int] = ...) -> None: ...
+    def __init__(self, ref: _Optional[_Union[_common_pb2.SeqRef, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., num_resampled_accepted: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("proposals", "draft_seconds")

@@ -46,18 +46,14 @@ class PrefillResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[PrefillResult, _Mapping]]] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
 
 class VerifyItem(_message.Message):
-    __slots__ = ("ref", "tree", "resampled", "max_draft_tokens", "return_hidden")
+    __slots__ = ("ref", "tree", "return_hidden")
     REF_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
-    RESAMPLED_FIELD_NUMBER: _ClassVar[int]
-    MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETURN_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     ref: _common_pb2.SeqRef
     tree: _common_pb2.TokenTree
-    resampled: _common_pb2.TokenTree
-    max_draft_tokens: int
     return_hidden: bool
-    def __init__(self, ref: _Optional[_Union[_common_pb2.SeqRef, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., resampled: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., max_draft_tokens: _Optional[int] = ..., return_hidden: _Optional[bool] = ...) -> None: ...
+    def __init__(self, ref: _Optional[_Union[_common_pb2.SeqRef, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., return_hidden: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("items", "use_data_plane")

@@ -214,16 +214,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             )
 
     def _tree_of(self, item: verifier_pb2.VerifyItem) -> TokenTree:
-        limit = self.config.max_tree_nodes
-        tree = codec.decode_tree(item.tree, self.vocab_size, limit)
-        if item.HasField("resampled"):
-            resampled = codec.decode_tree(item.resampled, self.vocab_size, limit)
-            tree = tree.merge(resampled)
-            if item.max_draft_tokens:
-                tree = tree.prune(item.max_draft_tokens)
-            if tree.num_nodes > limit:
-                raise invalid(f"the fused tree has {tree.num_nodes} nodes > {limit}")
-        return tree
+        return codec.decode_tree(item.tree, self.vocab_size, self.config.max_tree_nodes)
 
 
 def build_servicer(config: VerifierConfig, server_config: ServerConfig) -> VerifierServicer:

@@ -11,7 +11,7 @@ import torch
 from lyanna.drafters import DraftBudget
 from lyanna.drafters.ngram import NgramDrafter
 from lyanna.target import TargetConfig, TargetRunner
-from lyanna.tree import DraftScheme, TokenTree
+from lyanna.tree import TokenTree
 from services import codec
 from services.codec import WireError
 from services.drafter.server import DrafterConfig, DrafterServicer
@@ -59,22 +59,6 @@ def prefill(servicer: VerifierServicer, seq_id: int, prompt: list[int]) -> int:
     item.params.max_tokens = 8
     response = servicer.Prefill(verifier_pb2.PrefillRequest(items=[item]), FakeContext())
     return response.results[0].first_token
-
-
-def test_verifier_fuses_a_resampled_subtree_under_the_budget() -> None:
-    servicer = verifier()
-    root = prefill(servicer, 1, [1, 2, 3])
-    fresh = TokenTree.from_parents([root, 4, 5], [-1, 0, 1], scheme=DraftScheme.TOPK)
-    resampled = TokenTree.from_parents([root, 4, 6, 7], [-1, 0, 1, 0], scheme=DraftScheme.TOPK)
-    item = verifier_pb2.VerifyItem(
-        ref=common_pb2.SeqRef(seq_id=1, num_committed=3),
-        tree=codec.encode_tree(fresh),
-        resampled=codec.encode_tree(resampled),
-        max_draft_tokens=3,
-    )
-    response = servicer.Verify(verifier_pb2.VerifyRequest(items=[item]), FakeContext())
-    assert response.results[0].num_drafted == 3  # union 4,5,6,7 pruned to the budget
-    assert response.results[0].ref.num_committed == 3 + len(response.results[0].committed)
 
 
 def test_verifier_runs_no_forward_for_a_caller_that_is_gone() -> None:
@@ -137,6 +121,28 @@ def test_drafter_without_hidden_ignores_them() -> None:
     servicer.Start(drafter_pb2.StartRequest(items=[start]), FakeContext())
     info = servicer.Info(drafter_pb2.InfoRequest(), FakeContext())
     assert info.method == "ngram" and not info.needs_hidden and info.max_draft_tokens == 6
+
+
+def test_drafter_drafts_nothing_for_a_caller_that_is_gone() -> None:
+    """A Propose that waited past its deadline drafts nothing and forgets the sequence (the
+    gateway starts it again), instead of spending a draft step on no one."""
+    config = DrafterConfig(method="ngram", depth=4, top_k=2, max_draft_tokens=6)
+    servicer = DrafterServicer(
+        NgramDrafter(config.shape()), config, HiddenReceiver(32, torch.float32), 16
+    )
+    start = drafter_pb2.StartItem(
+        ref=common_pb2.SeqRef(seq_id=5, num_committed=2), prompt_ids=[1, 2], first_token=1
+    )
+    servicer.Start(drafter_pb2.StartRequest(items=[start]), FakeContext())
+    request = drafter_pb2.ProposeRequest(
+        items=[drafter_pb2.ProposeItem(ref=common_pb2.SeqRef(seq_id=5, num_committed=2))]
+    )
+    with pytest.raises(Aborted) as aborted:
+        servicer.Propose(request, FakeContext(active=False))
+    assert aborted.value.args[0] == grpc.StatusCode.CANCELLED
+    with pytest.raises(Aborted) as missing:
+        servicer.Propose(request, FakeContext())
+    assert missing.value.args[0] == grpc.StatusCode.NOT_FOUND
 
 
 class RecordingPlane:

@@ -8,7 +8,7 @@ import pytest
 
 from lyanna.decode import generate
 from lyanna.drafters import DraftBudget, DraftCapacity, make_drafter
-from lyanna.engine import EngineConfig, SpecEngine
+from lyanna.engine import DrafterError, EngineConfig, SpecEngine
 from lyanna.kv_cache import CacheFullError
 from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence
@@ -59,7 +59,7 @@ def test_drafters_hold_as_many_sequences_as_the_engine_admits(method, default_mo
         engine.submit(seq)
     engine.run()
     assert all(len(s.output_ids) == 2 for s in seqs)
-    with pytest.raises(CacheFullError):  # the default capacity is too small for it
+    with pytest.raises(DrafterError) as failed:  # the default capacity is too small for it
         small = SpecEngine(
             default_model,
             make_drafter(method, default_model, DraftBudget(2, 2, 4)),
@@ -68,3 +68,4 @@ def test_drafters_hold_as_many_sequences_as_the_engine_admits(method, default_mo
         for i in range(20):
             small.submit(Sequence(i, [1, 2, 3 + i], SamplingParams(max_tokens=2)))
         small.run()
+    assert isinstance(failed.value.__cause__, CacheFullError)
