@@ -4,9 +4,11 @@ Spec-Bench prompts, the same greedy tokens budget and the same thread count, in 
 
 Prints end-to-end and decode-only tokens/s, prefill ms per prompt token, the forward cost for
 q = 1, 2, 4, 8, 16 new tokens (decode steps), and the memory-bandwidth floor of one decode
-step for each weight format, measured on this machine.
+step for each weight format, measured on this machine. Then the prefill of one long prompt
+(``--long-prompt`` tokens of Spec-Bench text, 800 by default) in each engine.
 
     python -m bench.engine_vs_peers [--per-category 2] [--max-tokens 128] [--threads 2]
+        [--long-prompt 800]
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 
 from bench.common import load_questions, median_seconds, print_table
 from bench.forward_latency import forward_table
-from lyanna.decode import generate
+from lyanna.decode import generate, prefill
 from lyanna.model import fetch_default_model, load_model
 from lyanna.model.default import gguf_path
 from lyanna.sampling import SamplingParams
@@ -115,6 +117,58 @@ def llama_cpp_tally(
     return tally
 
 
+def long_prompt_ids(tokenizer, length: int) -> list[int]:
+    """``length`` tokens of Spec-Bench questions, one after another."""
+    ids: list[int] = []
+    for question in load_questions(per_category=8):
+        ids += tokenizer.encode(question["turns"][0])
+        if len(ids) >= length:
+            return ids[:length]
+    raise ValueError(f"Spec-Bench holds fewer than {length} tokens of questions")
+
+
+def lean_prefill_seconds(model, ids: list[int]) -> float:
+    """Median seconds of a fresh prompt's prefill (the KV slot released after each)."""
+    cache = model.new_cache(1, len(ids) + 1)
+
+    def run() -> None:
+        slot = cache.allocate()
+        prefill(model, ids, cache, slot)
+        cache.release(slot)
+
+    return median_seconds(run, repeats=3, warmup=1)
+
+
+def peer_prefill_rows(ids: list[int], threads: int, skip: set[str]) -> list[list[object]]:
+    rows = []
+    if "transformers" not in skip:
+        from transformers import LlamaForCausalLM
+
+        gguf = gguf_path()
+        ref = LlamaForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        ).eval()
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            seconds = median_seconds(lambda: ref(x), repeats=3, warmup=1)
+        rows.append(["transformers", 1e3 * seconds / len(ids)])
+    if "llama.cpp" not in skip:
+        try:
+            from llama_cpp import Llama
+        except ImportError:
+            return rows
+        llm = Llama(
+            model_path=str(gguf_path()), n_ctx=4096, n_threads=threads, n_batch=512, verbose=False
+        )
+
+        def run() -> None:
+            llm.reset()
+            llm.eval(ids)
+
+        rows.append(["llama.cpp (Q4_1)", 1e3 * median_seconds(run, repeats=3, warmup=1) / len(ids)])
+    return rows
+
+
 def weight_bytes(model) -> int:
     """Bytes one decode step must read: every linear layer and the LM head (packed formats
     included), not the embedding (one row is gathered)."""
@@ -139,6 +193,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip", default="", help="comma list of: transformers,llama.cpp")
+    parser.add_argument("--long-prompt", type=int, default=800, help="0: no long-prompt table")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     skip = set(filter(None, args.skip.split(",")))
@@ -154,7 +209,8 @@ def main() -> None:
         f"{args.threads} threads"
     )
     rate = bandwidth()
-    rows, costs, floors = [], {}, []
+    rows, costs, floors, long_rows = [], {}, [], []
+    long_ids = long_prompt_ids(tokenizer, args.long_prompt) if args.long_prompt else []
     for weights in ("fp32", "q4"):
         model = load_model(model_dir, weights=weights)
         label = f"{weights}, native decoder" if model.native is not None else weights
@@ -162,6 +218,9 @@ def main() -> None:
         costs[weights] = forward_table(model, NEW_TOKENS)
         nbytes = weight_bytes(model)
         floors.append([weights, nbytes / 1e6, 1e3 * nbytes / rate, 1e3 * costs[weights][1]])
+        if long_ids:
+            seconds = lean_prefill_seconds(model, long_ids)
+            long_rows.append([f"lyanna ({label})", 1e3 * seconds / len(long_ids)])
         del model
     if "transformers" not in skip:
         rows.append(transformers_tally(prompts, args.max_tokens).row("transformers generate"))
@@ -183,6 +242,11 @@ def main() -> None:
             for w, c in costs.items()
         ],
     )
+    if long_ids:
+        long_rows += peer_prefill_rows(long_ids, args.threads, skip)
+        print()
+        print(f"prefill of one {len(long_ids)}-token prompt:")
+        print_table(["engine", "prefill ms/token"], long_rows)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,13 @@ from starlette.background import BackgroundTask
 from gateway.auth import KeyRing, StreamLimiter, TokenRateLimiter
 from gateway.backend import GenerationBackend, TokenDelta
 from gateway.config import GatewayConfig
-from gateway.errors import APIError, error_response, install_error_handlers, invalid
+from gateway.errors import (
+    APIError,
+    error_response,
+    install_error_handlers,
+    invalid,
+    stream_error,
+)
 from gateway.generation import ClientGone, Generation, unless_disconnected
 from gateway.intake import METHOD_HEADER, Prepared, RequestBuilder
 from gateway.metrics import GatewayMetrics, RequestTracker
@@ -233,7 +239,7 @@ def create_app(
                 async for piece in generation.texts():
                     yield chunk({"content": piece})
             except (APIError, RuntimeError, ValueError) as err:
-                yield sse({"error": {"message": str(err), "type": "server_error", "code": None}})
+                yield sse(stream_error(err))
                 yield SSE_DONE
                 return
             yield chunk({}, generation.finish_reason)
@@ -259,7 +265,7 @@ def create_app(
                 async for piece in generation.texts():
                     yield sse(completion_response(rid, config.model_name, piece, None, None))
             except (APIError, RuntimeError, ValueError) as err:
-                yield sse({"error": {"message": str(err), "type": "server_error", "code": None}})
+                yield sse(stream_error(err))
                 yield SSE_DONE
                 return
             finish = generation.finish_reason

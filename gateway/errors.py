@@ -108,6 +108,17 @@ async def _on_unavailable(request: Request, exc: BackendUnavailable) -> JSONResp
     return error_response(503, message, None, "backend_unavailable")
 
 
+def stream_error(err: Exception) -> dict:
+    """The SSE event for a stream that failed after its headers went out: the message of an
+    error meant for clients, a generic one (the details logged) for anything else."""
+    if isinstance(err, (APIError, BackendBusy, BackendUnavailable, ValueError)):
+        message = str(err)
+    else:
+        logger.error("stream failed", exc_info=err)
+        message = "internal error (logged)"
+    return {"error": {"message": message, "type": "server_error", "code": None}}
+
+
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _on_validation)
     app.add_exception_handler(StarletteHTTPException, _on_http)

@@ -34,11 +34,20 @@ class Admission:
     lanes, counters and verifier stub)."""
 
     def _expire(self, seq: RemoteSeq) -> None:
-        """A request still waiting for a slot after ``queue_timeout`` gets BackendBusy."""
-        if seq in self._waiting and seq.resume_by is None:  # resuming: its own deadline
+        """A request still waiting for a slot after ``queue_timeout`` gets BackendBusy; one
+        waiting to be re-prefilled (the verifier lost it) gets BackendUnavailable once its
+        own deadline passes, even when no slot ever comes back (no wait forever)."""
+        if seq not in self._waiting:
+            return
+        timeout = self.config.queue_timeout
+        if seq.resume_by is None:
             self._waiting.remove(seq)
-            timeout = self.config.queue_timeout
             seq.deliver(BackendBusy(f"no sequence slot became free within {timeout:g} s"))
+        elif time.monotonic() >= seq.resume_by:
+            self._waiting.remove(seq)
+            seq.deliver(
+                BackendUnavailable(f"the verifier lost this request; not resumed in {timeout:g} s")
+            )
 
     # -- admission -------------------------------------------------------------------------
 
@@ -47,6 +56,12 @@ class Admission:
             await self._admit.wait()
             self._admit.clear()
             while self._waiting and not self._closing:
+                held = [s for s in self._waiting if s.resume_by is not None and s.may_hold_slot]
+                if held:  # a verifier that only timed out may still hold their slots: free
+                    # them before counting free slots, or a full verifier never has room
+                    await self._release_on_verifier(held)
+                    for seq in held:
+                        seq.may_hold_slot = False
                 room = self.config.max_running - self._num_running
                 if room <= 0:
                     break
@@ -88,8 +103,11 @@ class Admission:
     def _requeue(self, seqs: list[RemoteSeq]) -> None:
         """Sequences the verifier may have lost go first in line to be re-prefilled."""
         self._num_running -= len(seqs)
+        loop = asyncio.get_running_loop()
         for seq in seqs:
             seq.desync()  # the drafter restarts from the history too
+            seq.may_hold_slot = True
+            loop.call_later(max(0.0, seq.resume_by - time.monotonic()), self._expire, seq)
         self._waiting.extendleft(reversed(seqs))
         self._admit.set()
 
@@ -104,9 +122,6 @@ class Admission:
                 seq.deliver(ValueError(f"the request cannot be encoded: {error}"))
         if not batch:
             return
-        resuming = [s for s in batch if s.resume_by is not None]
-        if resuming:  # a verifier that only timed out may still hold them
-            await self._release_on_verifier(resuming)
         try:
             response = await self._verifier.Prefill(
                 verifier_pb2.PrefillRequest(items=items), timeout=self.config.prefill_deadline
@@ -118,6 +133,8 @@ class Admission:
                 if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # slots went elsewhere
                 or self._may_resume(s, error.code())
             ]
+            for seq in retry:
+                seq.may_hold_slot = True  # a prefill past its deadline may have run anyway
             self._waiting.extendleft(reversed(retry))
             if retry:
                 asyncio.get_running_loop().call_later(0.2, self._admit.set)

@@ -40,6 +40,7 @@ class RemoteSeq:
     cancelled: bool = False
     done: bool = False
     resume_by: float | None = None  # set while waiting to be re-prefilled (monotonic deadline)
+    may_hold_slot: bool = False  # waiting, yet the verifier may still hold its KV slot
     hidden_bytes: int = 0  # size of hidden_history (kept, not summed on every step)
     # data-plane transfers a desync dropped unread: the drafter must still receive them, or
     # the verifier's sends never complete (DrafterLink drains them)

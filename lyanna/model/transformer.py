@@ -226,8 +226,10 @@ def run_native(
     cos: torch.Tensor,
     sin: torch.Tensor,
     config: ModelConfig,
+    prompt: bool = False,
 ) -> torch.Tensor:
-    """One native call over ``layers`` of ``cache`` (see ``decoder.cpp`` for the arguments)."""
+    """One native call over ``layers`` of ``cache`` (see ``decoder.cpp`` for the arguments;
+    ``prompt``: the rows are a fresh prompt's prefill, and the causal mask is implied)."""
     return extension.decoder_layers(
         x,
         tensors,
@@ -242,6 +244,7 @@ def run_native(
         config.num_heads,
         config.num_kv_heads,
         config.rms_norm_eps,
+        prompt,
     )
 
 
@@ -376,6 +379,9 @@ class Transformer(nn.Module):
         B, q = tokens.shape
         cache.check_room(slots, q)
         lengths = cache.lengths[slots]
+        # a fresh prompt alone (its prefill): the same in plain and speculative decoding, so
+        # its attention may take a faster kernel that is not batch invariant (decoder.cpp)
+        prompt = tree_mask is None and B == 1 and q > 1 and int(lengths[0]) == 0
         x = run_native(
             self.native,
             self.embed_tokens(tokens).reshape(B * q, -1).float().contiguous(),
@@ -389,6 +395,7 @@ class Transformer(nn.Module):
             self.rope_cos[positions].reshape(B * q, -1),
             self.rope_sin[positions].reshape(B * q, -1),
             self.config,
+            prompt,
         )
         return self.norm(x.view(B, q, -1))
 

@@ -6,6 +6,7 @@ missing or wrong API keys, a full queue (429) and a dead backend (503)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 import time
@@ -353,5 +354,43 @@ def test_probes_liveness_is_independent_and_readiness_survives_drafter_fallback(
             assert httpx.get(server.url + "/livez").status_code == 200  # no key, no peers
             assert httpx.get(server.url + "/readyz").status_code == ready, states
             assert httpx.get(server.url + "/health").status_code == health, states
+    finally:
+        server.stop()
+
+
+class FailingMidStreamBackend(RefusingBackend):
+    """Streams one token, then fails with ``error``."""
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        yield TokenDelta([5], prompt_tokens=len(request.prompt_ids))
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    ("error", "message"),
+    [
+        (BackendUnavailable("engine error (logged)"), "engine error (logged)"),
+        (RuntimeError("/srv/secret/path: tensor a (3) must match b (4)"), "internal error"),
+    ],
+)
+def test_a_stream_that_fails_names_no_internals(default_tokenizer, error, message) -> None:
+    """A failure after the headers went out ends the stream with an error event: errors meant
+    for clients keep their message, anything else becomes a generic one (the log keeps it)."""
+    config = GatewayConfig(model_name=MODEL_NAME)
+    app = create_app(FailingMidStreamBackend(error), default_tokenizer, config)
+    server = ThreadedServer(app).start()
+    try:
+        for route in (CHAT, "/v1/completions"):
+            body = chat_body(stream=True)
+            if route != CHAT:
+                body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4, "stream": True}
+            events = [
+                json.loads(line.removeprefix("data: "))
+                for line in httpx.post(server.url + route, json=body).text.splitlines()
+                if line.startswith("data: {")
+            ]
+            errors = [e["error"] for e in events if "error" in e]
+            assert len(errors) == 1 and message in errors[0]["message"]
+            assert "secret" not in errors[0]["message"]
     finally:
         server.stop()

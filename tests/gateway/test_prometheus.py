@@ -1,6 +1,9 @@
-"""A real Prometheus server scrapes the gateway and answers a PromQL query for
+"""A real Prometheus server scrapes the embedded gateway and answers a PromQL query for
 ``lyanna_spec_accepted_tokens_total``; every query of the Grafana dashboard parses and, after
-a request, the acceptance-length and tokens/s panels have data. Needs the ``prometheus``
+a request, the acceptance-length and tokens/s panels have data. A second test scrapes the
+three processes of a split deployment (gateway, verifier, drafter) through a short load and a
+drafter outage: every dashboard panel then shows data, and the acceptance length Prometheus
+computes equals what the requests' ``usage`` reported (within 2 %). Needs the ``prometheus``
 binary (Debian's package; ``.ci/run`` installs it): missing, the test fails, unless
 LYANNA_ALLOW_NO_PROMETHEUS=1."""
 
@@ -10,12 +13,16 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
 import pytest
 
 from gateway.server import free_port
+from services.launch import launch
 from tests.gateway.conftest import MODEL_NAME
 from tests.gateway.test_deploy import DEPLOY
 
@@ -29,7 +36,7 @@ scrape_configs:
   - job_name: lyanna
     scrape_interval: 1s
     static_configs:
-      - targets: ["{target}"]
+      - targets: [{targets}]
 """
 
 
@@ -69,20 +76,7 @@ def test_prometheus_scrapes_spec_metrics(gateway, tmp_path) -> None:
     response = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=60)
     assert response.json()["usage"]["lyanna"]["num_accepted_tokens"] > 0
     target = gateway.url.removeprefix("http://")
-    config = tmp_path / "prometheus.yml"
-    config.write_text(SCRAPE_CONFIG.format(target=target))
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen(
-        [
-            binary,
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    base, process = start_prometheus(binary, [target], tmp_path)
     try:
         poll(lambda: _ready(base))
         up = poll(lambda: query(base, 'up{job="lyanna"} == 1'))
@@ -103,6 +97,23 @@ def test_prometheus_scrapes_spec_metrics(gateway, tmp_path) -> None:
         process.wait(timeout=30)
 
 
+def start_prometheus(binary: str, targets: list[str], tmp_path) -> tuple[str, subprocess.Popen]:
+    config = tmp_path / "prometheus.yml"
+    config.write_text(SCRAPE_CONFIG.format(targets=", ".join(f'"{t}"' for t in targets)))
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    return f"http://127.0.0.1:{port}", process
+
+
 def _ready(base: str) -> bool:
     try:
         return httpx.get(f"{base}/-/ready", timeout=2).status_code == 200
@@ -110,18 +121,32 @@ def _ready(base: str) -> bool:
         return False
 
 
-def check_dashboard_queries(base: str) -> None:
+def dashboard_queries(rate_interval: str = "1m") -> dict[str, list[str]]:
+    """Panel title -> its PromQL queries, the dashboard's variables filled in."""
     dashboard = json.loads((DEPLOY / "grafana" / "lyanna.json").read_text())
-    substitutions = {"$__rate_interval": "1m", "$model": ".*", "$method": ".*", "$service": ".*"}
-    exprs: dict[str, str] = {}
+    substitutions = {
+        "$__rate_interval": rate_interval,
+        "$model": ".*",
+        "$method": ".*",
+        "$service": ".*",
+    }
+    queries: dict[str, list[str]] = {}
     for panel in dashboard["panels"]:
         for target in panel["targets"]:
             expr = target["expr"]
             for variable, value in substitutions.items():
                 expr = expr.replace(variable, value)
+            queries.setdefault(panel["title"], []).append(expr)
+    return queries
+
+
+def check_dashboard_queries(base: str) -> None:
+    exprs: dict[str, str] = {}
+    for title, queries in dashboard_queries().items():
+        for expr in queries:
             response = httpx.get(f"{base}/api/v1/query", params={"query": expr}, timeout=5)
-            assert response.status_code == 200, (panel["title"], response.text)
-            exprs.setdefault(panel["title"], expr)
+            assert response.status_code == 200, (title, response.text)
+        exprs[title] = queries[0]
 
     def value_of(title: str) -> float | None:
         result = query(base, exprs[title])
@@ -130,3 +155,83 @@ def check_dashboard_queries(base: str) -> None:
 
     assert poll(lambda: value_of("Acceptance length")) > 1.0  # n-gram accepted tokens
     assert poll(lambda: value_of("Output tokens/s")) > 0
+
+
+def test_every_panel_shows_the_three_processes(tiny_chat_dir, tmp_path) -> None:
+    """Gateway, verifier and drafter as separate processes, each scraped; a short load (plain,
+    streamed and concurrent requests), then the drafter killed and one more request (the
+    fallback panels). Every panel returns data, and Prometheus's acceptance length (from the
+    counters) matches the requests' own ``usage`` within 2 %."""
+    binary = prometheus_binary()
+    ports = {"verifier": free_port(), "drafter": free_port()}
+    gateway = [sys.executable, "-m", "gateway.cli", "serve", "--mode", "services"]
+    gateway += ["--verifier-addr", "{verifier_addr}", "--drafter-addr", "{drafter_addr}"]
+    gateway += ["--port", "{gateway_port}", "--model", str(tiny_chat_dir), "--method", "{method}"]
+    with launch(
+        tiny_chat_dir,
+        method="ngram",
+        gateway_command=gateway,
+        verifier_args=("--max-len", "512", "--metrics-port", str(ports["verifier"])),
+        drafter_args=("--metrics-port", str(ports["drafter"])),
+    ) as deployment:
+        url = f"http://127.0.0.1:{deployment.gateway_port}"
+        targets = [url.removeprefix("http://"), *(f"127.0.0.1:{p}" for p in ports.values())]
+        base, process = start_prometheus(binary, targets, tmp_path)
+        try:
+            poll(lambda: _ready(base))
+            poll(lambda: len(query(base, 'up{job="lyanna"} == 1')) == len(targets))
+            usages = run_load(url)
+            deployment.kill("drafter")
+            usages += run_load(url, requests=1)
+            accepted = sum(u["num_accepted_tokens"] for u in usages)
+            steps = sum(u["num_verifications"] for u in usages)
+            assert accepted > 0
+            expected = 1 + accepted / steps
+
+            def scraped() -> float | None:  # once the last request's steps are scraped
+                promql = (
+                    '1 + sum(lyanna_spec_accepted_tokens_total{method="ngram"})'
+                    ' / sum(lyanna_spec_draft_steps_total{method="ngram"})'
+                )
+                result = query(base, promql)
+                value = float(result[0]["value"][1]) if result else None
+                total = query(base, 'sum(lyanna_spec_draft_steps_total{method="ngram"})')
+                done = total and float(total[0]["value"][1]) >= steps
+                return value if done else None
+
+            assert poll(scraped) == pytest.approx(expected, rel=0.02)
+            empty = []
+            for title, queries in dashboard_queries(rate_interval="5m").items():
+                if not any(query(base, expr) for expr in queries):
+                    empty.append(title)
+            assert not empty, f"panels without data: {empty}"
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+
+
+def run_load(url: str, requests: int = 4) -> list[dict]:
+    """``requests`` chat requests, two at a time, one of each pair streamed; their usage."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "one two three one two three"}]
+
+    def one(i: int) -> dict:
+        if i % 2:
+            stream = client.chat.completions.create(
+                model=model,
+                messages=messages,
+                max_tokens=32,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            usage = [c.usage for c in stream if c.usage is not None][-1]
+        else:
+            usage = client.chat.completions.create(
+                model=model, messages=messages, max_tokens=32, temperature=0
+            ).usage
+        return usage.model_extra["lyanna"]
+
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(one, range(requests)))

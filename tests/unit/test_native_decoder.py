@@ -78,13 +78,17 @@ def test_layers_the_extension_cannot_run_stay_eager(extension) -> None:
     assert not q4_model(32).use_native(None)  # no extension: nothing changes
 
 
-def decode_one_by_one(model: Transformer, tokens: list[int]) -> torch.Tensor:  # [len, hidden]
-    cache = model.new_cache(1, len(tokens) + 1)
-    slot = torch.tensor([cache.allocate()])
+def decode_after_prefill(model: Transformer, prefix: list[int], tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), hidden]: the prefix prefilled as a prompt, then ``tokens`` decoded one
+    at a time (what plain decoding computes for them)."""
+    cache = model.new_cache(1, len(prefix) + len(tokens) + 1)
+    slot = cache.allocate()
+    prefill(model, cache, slot, prefix)
     rows = []
-    for pos, tok in enumerate(tokens):
-        rows.append(model(torch.tensor([[tok]]), torch.tensor([[pos]]), cache, slot)[0, -1])
-        cache.commit(0, [0])
+    for pos, tok in enumerate(tokens, start=len(prefix)):
+        hidden = model(torch.tensor([[tok]]), torch.tensor([[pos]]), cache, torch.tensor([slot]))
+        rows.append(hidden[0, -1])
+        cache.commit(slot, [0])
     return torch.stack(rows)
 
 
@@ -112,8 +116,22 @@ def test_native_tree_rows_equal_decoding_bitwise(seed: int, extension) -> None:
     hidden = model(packed.tokens, packed.positions, cache, torch.tensor([slot]), packed.mask)[0]
     for node in range(tree.num_nodes):
         path = [int(tree.tokens[i]) for i in tree.path_to(node)]
-        expected = decode_one_by_one(model, prefix + path)[-1]
+        expected = decode_after_prefill(model, prefix, path)[-1]
         assert torch.equal(hidden[node], expected), node
+
+
+def test_a_prompt_prefills_close_to_decoding_it_token_by_token(extension) -> None:
+    """A fresh prompt's attention runs as torch's blocked causal kernel (fast for long
+    prompts; not bitwise the per-row attention): it computes the same hidden states as
+    decoding the prompt one token at a time, within float32 rounding."""
+    model = native_twin(q4_model(32, 6), extension)
+    prompt = [random.Random(6).randrange(96) for _ in range(48)]
+    cache = model.new_cache(1, 64)
+    slot = torch.tensor([cache.allocate()])
+    prefilled = model(torch.tensor([prompt]), torch.arange(48)[None], cache, slot)[0]
+    one_by_one = decode_after_prefill(model, prompt[:1], prompt[1:])
+    rel = (prefilled[1:] - one_by_one).norm() / one_by_one.norm()
+    assert rel < 1e-5, rel
 
 
 def test_native_batch_equals_single_bitwise(extension) -> None:

@@ -234,6 +234,27 @@ void attend(const float* queries, const float* kc, const float* vc, const Shape&
   });
 }
 
+// A fresh prompt alone (B = 1, nothing cached before it: its prefill): torch's blocked causal
+// attention over its own rows, which ``attend`` (one query row at a time, for any mask) ran
+// at a fraction of the speed once a prompt reaches hundreds of tokens. Not bitwise equal to
+// ``attend``, so only the prefill takes it, and a prompt prefills the same way whether it is
+// then decoded plainly or speculatively.
+void prompt_attention(const float* queries, const float* kc, const float* vc, const Shape& s,
+                      int64_t slot, float* out) {
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  const int64_t head_stride = s.T * s.hd;  // the cache is [S, nkv, T, hd] per layer
+  const std::vector<int64_t> kv_sizes{1, s.nkv, s.q, s.hd};
+  const std::vector<int64_t> kv_strides{s.nkv * head_stride, head_stride, s.hd, 1};
+  const float* k = kc + slot * s.nkv * head_stride;
+  const float* v = vc + slot * s.nkv * head_stride;
+  at::Tensor query = at::from_blob(const_cast<float*>(queries), {1, s.q, s.nh, s.hd}, f32);
+  at::Tensor attn = at::scaled_dot_product_attention(
+      query.transpose(1, 2), at::from_blob(const_cast<float*>(k), kv_sizes, kv_strides, f32),
+      at::from_blob(const_cast<float*>(v), kv_sizes, kv_strides, f32), {}, 0.0,
+      /*is_causal=*/true, std::nullopt, /*enable_gqa=*/s.nh != s.nkv);  // [1, nh, q, hd]
+  at::from_blob(out, {1, s.q, s.nh, s.hd}, f32).copy_(attn.transpose(1, 2));
+}
+
 // silu(gate) * up from the fused gate/up product [n, 2*inter].
 void swiglu(const std::vector<float>& gu, std::vector<float>& out, int64_t n, int64_t inter) {
   out.resize(n * inter);
@@ -259,10 +280,13 @@ constexpr int64_t kPerLayer = 10;  // 2 norm weights + 4 projections x 2 tensors
 // the gate/up projection and the down projection (2 tensors each, see ``product``).
 // keys/values: the KV cache [L, S, nkv, T, hd] float32 of exactly these layers. slots [B],
 // lengths [B], mask [B, q, width] bool, write_rows [B, q]: see ``Rows``; cos/sin [B*q, hd].
+// prompt: the rows are a fresh prompt's prefill (one sequence, nothing cached, causal mask,
+// written to rows 0..q-1): its attention may run as ``prompt_attention``.
 at::Tensor decoder_layers(at::Tensor x, const std::vector<at::Tensor>& layers, at::Tensor keys,
                           at::Tensor values, at::Tensor slots, at::Tensor lengths,
                           at::Tensor mask, at::Tensor write_rows, at::Tensor cos,
-                          at::Tensor sin, int64_t num_heads, int64_t num_kv_heads, double eps) {
+                          at::Tensor sin, int64_t num_heads, int64_t num_kv_heads, double eps,
+                          bool prompt) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [rows, hidden] tensor");
   TORCH_CHECK(keys.dim() == 5 && keys.scalar_type() == at::kFloat && keys.is_contiguous() &&
@@ -305,6 +329,12 @@ at::Tensor decoder_layers(at::Tensor x, const std::vector<at::Tensor>& layers, a
     }
   }
 
+  if (prompt) {
+    TORCH_CHECK(s.B == 1 && rows.lengths[0] == 0 && rows.width == s.q,
+                "a prompt's prefill is one sequence with nothing cached");
+    for (int64_t j = 0; j < s.q; ++j)
+      TORCH_CHECK(rows.write_rows[j] == j, "a prompt's rows are written from row 0");
+  }
   const int64_t inner = s.nh * s.hd;
   std::vector<float> h(n * d), qkv, queries(n * inner), attn(n * inner), out, gu, act;
   float* xs = x.data_ptr<float>();
@@ -318,7 +348,10 @@ at::Tensor decoder_layers(at::Tensor x, const std::vector<at::Tensor>& layers, a
     TORCH_CHECK(static_cast<int64_t>(qkv.size()) == n * (s.nh + 2 * s.nkv) * s.hd,
                 "the q/k/v projection does not match the head counts");
     rope_and_store(qkv.data(), s, rows, queries.data(), kc, vc);
-    attend(queries.data(), kc, vc, s, rows, attn.data());
+    if (prompt)
+      prompt_attention(queries.data(), kc, vc, s, rows.slots[0], attn.data());
+    else
+      attend(queries.data(), kc, vc, s, rows, attn.data());
     product(w + 3, attn.data(), n, inner, out);
     add(xs, out);
     rms_norm(xs, w[5].data_ptr<float>(), h.data(), n, d, eps);

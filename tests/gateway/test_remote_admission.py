@@ -1,0 +1,69 @@
+"""Admission of the remote backend against a fake verifier stub (no services): a sequence the
+verifier lost waits to be re-prefilled only until its deadline, even when no slot ever comes
+back, and its own old slot is released first (a verifier that merely timed out still holds
+it, and a full verifier would otherwise never have room)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from gateway.backend import BackendUnavailable
+from gateway.remote import RemoteBackend, RemoteConfig
+from gateway.remote_seq import RemoteSeq
+from lyanna.sampling import SamplingParams
+from lyanna.sequence import Sequence
+from services.pb import common_pb2, verifier_pb2
+
+
+class FullVerifier:
+    """Capacity: no free slot, ever; records what it is asked to release; never prefills."""
+
+    def __init__(self) -> None:
+        self.released: list[int] = []
+
+    async def Capacity(self, request, timeout=None):
+        return verifier_pb2.CapacityResponse(free_slots=0, total_slots=4)
+
+    async def Release(self, request: common_pb2.ReleaseRequest, timeout=None):
+        self.released += list(request.seq_ids)
+        return common_pb2.ReleaseResponse()
+
+    async def Prefill(self, request, timeout=None):
+        raise AssertionError("no slot is free: nothing may be prefilled")
+
+
+def test_a_lost_sequence_stops_waiting_at_its_deadline_when_no_slot_comes_back() -> None:
+    async def run() -> tuple[object, float, list[int], int]:
+        backend = RemoteBackend(RemoteConfig("unused:1", queue_timeout=0.3), frozenset(), str)
+        verifier = FullVerifier()
+        backend._verifier = verifier
+        admit = asyncio.get_running_loop().create_task(backend._admit_loop())
+        sequence = Sequence(7, [1, 2, 3], SamplingParams(max_tokens=8))
+        seq = RemoteSeq(sequence, "ar", asyncio.Queue(), use_drafter=False)
+        seq.history, seq.next_token = [1, 2, 3], 4
+        backend._num_running = 1
+        seq.resume_by = time.monotonic() + 0.3  # what a failed Verify sets
+        start = time.monotonic()
+        backend._requeue([seq])
+        outcome = await asyncio.wait_for(seq.queue.get(), timeout=10)
+        waited = time.monotonic() - start
+        backend._closing = True
+        backend._admit.set()
+        await admit
+        return outcome, waited, verifier.released, len(backend._waiting)
+
+    outcome, waited, released, still_waiting = asyncio.run(run())
+    assert isinstance(outcome, BackendUnavailable) and "not resumed in 0.3 s" in str(outcome)
+    assert 0.25 < waited < 5.0 and still_waiting == 0
+    assert released[:1] == [7]  # its old slot was freed before free slots were counted
+
+
+def test_seeds_outside_the_wires_uint64_are_refused() -> None:
+    """Refused where a request is built, not inside a batched prefill call."""
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**64)
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=-1)
