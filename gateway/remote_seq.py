@@ -91,6 +91,8 @@ class RemoteSeq:
             params=codec.encode_params(params),
             return_hidden=return_hidden,
             next_token=next_token,
+            # resuming: the prompt's rows prefill as a prompt, the decoded ones as decoding ran
+            prompt_len=len(self.sequence.prompt_ids) if next_token is not None else 0,
         )
 
     def keep_rows(self, rows: torch.Tensor, max_bytes: int, fresh: bool = False) -> None:

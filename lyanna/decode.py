@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lyanna.model.transformer import Transformer
+from lyanna.model.transformer import Transformer, causal_mask
 from lyanna.sampling import greedy_or_sample
 from lyanna.sequence import Sequence
 
@@ -26,15 +26,24 @@ class DecodeStats:
 
 
 def prefill(
-    model: Transformer, prompt_ids: list[int], cache, slot: int
-) -> torch.Tensor:  # [prompt_len, hidden]
-    """Fill the slot with the prompt and commit it; returns the prompt's hidden states."""
+    model: Transformer, prompt_ids: list[int], cache, slot: int, decoded: list[int] = ()
+) -> torch.Tensor:  # [prompt_len + len(decoded), hidden]
+    """Fill the slot with the prompt and commit it; returns the prompt's hidden states.
+    ``decoded``: tokens already decoded after the prompt (a resumed sequence), run as one
+    causal chain after it, which computes them exactly as decoding did (a prompt's own
+    attention may round differently, see ``Transformer._native_forward``)."""
     device = model.embed_tokens.weight.device
-    ids = torch.tensor([prompt_ids], dtype=torch.int64, device=device)
-    positions = torch.arange(ids.shape[1], device=device)[None]
-    hidden = model(ids, positions, cache, torch.tensor([slot]))[0]
-    cache.commit(slot, torch.arange(ids.shape[1]))
-    return hidden
+    slots = torch.tensor([slot])
+    hidden = []
+    for start, ids in ((0, prompt_ids), (len(prompt_ids), list(decoded))):
+        if not ids:
+            continue
+        tokens = torch.tensor([ids], dtype=torch.int64, device=device)
+        positions = (start + torch.arange(len(ids), device=device))[None]
+        chain = None if start == 0 else causal_mask(1, len(ids)).to(device)
+        hidden.append(model(tokens, positions, cache, slots, chain)[0])
+        cache.commit(slot, torch.arange(len(ids)))
+    return torch.cat(hidden)
 
 
 def generate(

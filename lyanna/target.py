@@ -100,20 +100,28 @@ class TargetRunner:
         params: SamplingParams,
         generator: torch.Generator | None = None,
         next_token: int | None = None,
+        prompt_len: int = 0,
     ) -> Prefilled:
         """Fill a fresh slot with the prompt and decide the first token (``generator``
         defaults to one made from ``params``; the runner keeps it for later verifications).
         ``next_token`` resumes a sequence whose next token is already decided (a re-prefill of
-        every committed token after a restart): it becomes the first token, nothing is drawn."""
+        every committed token after a restart): it becomes the first token, nothing is drawn.
+        ``prompt_len`` (resuming): the original prompt's length; the tokens after it were
+        decoded and are re-run as decoding ran them, so the KV is what it was."""
         if seq_id in self._seqs:
             raise OutOfStepError(f"sequence {seq_id} is already prefilled")
         if not prompt_ids:
             raise ValueError("the prompt must hold at least one token")
         if generator is None and not params.greedy:
             generator = params.make_generator()
+        if not 0 <= prompt_len <= len(prompt_ids):
+            raise ValueError(f"prompt_len {prompt_len} is outside the {len(prompt_ids)} tokens")
+        split = prompt_len or len(prompt_ids)
         slot = self.cache.allocate()
         try:
-            hidden = prefill_prompt(self.model, prompt_ids, self.cache, slot)  # [P, hidden]
+            hidden = prefill_prompt(  # [P, hidden]
+                self.model, prompt_ids[:split], self.cache, slot, prompt_ids[split:]
+            )
         except Exception:
             self.cache.release(slot)
             raise

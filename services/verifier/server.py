@@ -82,7 +82,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 for item, item_params in zip(items, params, strict=True):
                     resume = item.next_token if item.HasField("next_token") else None
                     prefilled = self.runner.prefill(
-                        item.seq_id, list(item.prompt_ids), item_params, next_token=resume
+                        item.seq_id,
+                        list(item.prompt_ids),
+                        item_params,
+                        next_token=resume,
+                        prompt_len=item.prompt_len,
                     )
                     done.append(item.seq_id)
                     hidden.append(prefilled.hidden if item.return_hidden else None)

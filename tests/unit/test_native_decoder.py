@@ -227,3 +227,37 @@ def test_q4_gguf_loads_native_unless_disabled(tmp_path: Path, monkeypatch, exten
     finally:
         load_decoder.cache_clear()
     assert eager.native is None and eager.attention_dtype == torch.float64
+
+
+def test_a_resumed_sequence_gets_back_the_kv_decoding_gave_it(extension) -> None:
+    """After a verifier restart a sequence is prefilled again from every committed token.
+    Split where the original prompt ended (``prompt_len``), the decoded tokens re-run as a
+    causal chain, and the KV cache is bitwise what prefill + decoding left; all of it
+    prefilled as one prompt, it is not (a prompt's attention rounds differently)."""
+    from lyanna.sampling import SamplingParams
+    from lyanna.target import TargetConfig, TargetRunner
+    from lyanna.tree import TokenTree
+
+    model = native_twin(q4_model(32, 7), extension)
+    runner = TargetRunner(model, TargetConfig(max_running=3, max_len=96))
+    rng = random.Random(7)
+    prompt = [rng.randrange(96) for _ in range(24)]
+    params = SamplingParams(max_tokens=16)
+    runner.prefill(1, prompt, params)
+    history = list(prompt)
+    for _ in range(6):
+        (verified,) = runner.verify([1], [TokenTree.root_only(runner.next_token(1))])
+        history += verified.committed
+    runner.prefill(2, history, params, next_token=runner.next_token(1), prompt_len=len(prompt))
+    runner.prefill(3, history, params, next_token=runner.next_token(1))
+
+    def kv(seq_id: int) -> torch.Tensor:
+        rows = slice(0, len(history))
+        slot = runner.slot(seq_id)
+        return torch.stack(
+            [runner.cache.keys[:, slot, :, rows], runner.cache.values[:, slot, :, rows]]
+        )
+
+    assert runner.num_committed(2) == runner.num_committed(1) == len(history)
+    assert torch.equal(kv(2), kv(1))
+    assert not torch.equal(kv(3), kv(1))
