@@ -10,6 +10,7 @@ both drive this one class, so the oracle and the service verify with the same co
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,7 @@ class TargetRunner:
         self.config = config or TargetConfig()
         self.cache = model.new_cache(self.config.max_running, self.config.max_len)
         self._seqs: dict[int, _TargetSeq] = {}
+        self.rule_seconds = 0.0  # cumulative: acceptance rules (with the rows' softmax) in verify
 
     @property
     def max_len(self) -> int:
@@ -157,6 +159,7 @@ class TargetRunner:
         hidden = self.model(packed.tokens, packed.positions, self.cache, slots, packed.mask)
         logits = self.model.logits(hidden)  # [B, n_max, vocab], rows in slot order
         row_of = {i: row for row, i in enumerate(order)}
+        rules_start = time.perf_counter()
         results = []
         for index, (state, tree, rule) in enumerate(zip(states, trees, rules, strict=True)):
             row = row_of[index]
@@ -174,6 +177,7 @@ class TargetRunner:
                     num_committed=int(self.cache.lengths[state.slot]),
                 )
             )
+        self.rule_seconds += time.perf_counter() - rules_start
         return results
 
     def release(self, seq_id: int) -> bool:

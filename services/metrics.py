@@ -30,6 +30,12 @@ class VerifierMetrics:
             buckets=FORWARD_BUCKETS,
             registry=r,
         )
+        self.rule_seconds = Histogram(
+            "lyanna_verifier_rule_seconds",
+            "Seconds of one Verify call's acceptance rules (row softmax, rule, KV commit).",
+            buckets=FORWARD_BUCKETS,
+            registry=r,
+        )
         self.tree_tokens = Histogram(
             "lyanna_verifier_tree_tokens",
             "Draft tokens in one sequence's verified tree (after fusion).",

@@ -231,6 +231,9 @@ def panels() -> list[Panel]:
             unit="s",
         ),
         latency_panel("Verifier forward", "lyanna_verifier_forward_seconds", "op", labels=""),
+        latency_panel(
+            "Verifier acceptance rules", "lyanna_verifier_rule_seconds", by="", labels=""
+        ),
         latency_panel("Drafter Propose", "lyanna_drafter_draft_seconds", by="", labels=""),
         Panel(
             "timeseries",

@@ -140,8 +140,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     )
             start = time.perf_counter()
             want_hidden = any(item.return_hidden for item in items)
+            rules_before = self.runner.rule_seconds
             verified = self.runner.verify(seq_ids, trees, return_hidden=want_hidden)
             forward_seconds = time.perf_counter() - start
+            self.metrics.rule_seconds.observe(self.runner.rule_seconds - rules_before)
             self._record_verify(trees, verified, forward_seconds)
             hidden = [
                 v.hidden if item.return_hidden else None

@@ -453,6 +453,9 @@ def test_verifier_and_drafter_export_their_own_metrics(ngram_services) -> None:
     accepted = grew(verifier, before[0], "lyanna_verifier_accepted_tokens_total")
     assert accepted == sum(s.num_accepted for o in outcomes for s in o.steps)
     assert grew(verifier, before[0], "lyanna_verifier_tree_tokens_count") == verified
+    verify_calls = grew(verifier, before[0], "lyanna_verifier_forward_seconds_count,op=verify")
+    assert grew(verifier, before[0], "lyanna_verifier_rule_seconds_count") == verify_calls >= 1
+    assert grew(verifier, before[0], "lyanna_verifier_rule_seconds_sum") > 0
     assert grew(verifier, before[0], "lyanna_verifier_forward_seconds_count,op=prefill") >= 1
     assert verifier["lyanna_verifier_kv_slots,state=free"] == 8  # released after the requests
     assert verifier["lyanna_verifier_kv_slots,state=used"] == 0

@@ -18,6 +18,7 @@ def test_root_only_steps_follow_greedy_and_commit() -> None:
     prefilled = runner.prefill(7, [1, 2, 3], SamplingParams(max_tokens=8))
     assert prefilled.num_committed == 3 and prefilled.hidden.shape[0] == 3
     [result] = runner.verify([7], [TokenTree.root_only(prefilled.first_token)], True)
+    assert runner.rule_seconds > 0  # the rules' share of verify, for the verifier's metrics
     assert result.committed == [prefilled.first_token] and result.num_committed == 4
     assert result.hidden.shape[0] == 1 and runner.next_token(7) == result.verdict.tokens[-1]
     assert runner.num_free_slots == 1 and runner.release(7) and not runner.release(7)
