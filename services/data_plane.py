@@ -1,6 +1,9 @@
 """Optional torch.distributed data plane for hidden states: the verifier (rank 0) sends the
 accepted-path hidden rows of a micro-batch as one tensor, the drafter (rank 1) receives it;
-gRPC carries only the transfer id and row ranges (``PlaneRef``).
+gRPC carries only the transfer id and row ranges (``PlaneRef``), signed: when the process group
+forms, the verifier draws a key and broadcasts it to the drafter over the group, so only the
+two of them can sign a reference; the gateway relays references it cannot forge (a forged one
+would make the drafter allocate and block in a receive no send matches).
 
 ``gloo`` runs on CPU, ``nccl`` on GPU (tensors on the current CUDA device). The process group
 forms in the background when both ranks are up (``ready``); until then, and after the peer
@@ -10,7 +13,10 @@ dies, callers fall back to inline tensors in the gRPC messages. Transfers are ma
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import secrets
 import threading
 from datetime import timedelta
 from itertools import count
@@ -21,6 +27,13 @@ import torch.distributed as dist
 log = logging.getLogger("lyanna.services.data_plane")
 
 TAG_MODULUS = 1 << 30
+KEY_BYTES = 32
+
+
+def sign_ref(key: bytes, transfer_id: int, total_rows: int) -> bytes:
+    """The MAC a ``PlaneRef`` carries (16 bytes of HMAC-SHA256)."""
+    message = f"{transfer_id}:{total_rows}".encode()
+    return hmac.new(key, message, hashlib.sha256).digest()[:16]
 
 
 class DataPlane:
@@ -35,6 +48,7 @@ class DataPlane:
         self._ready = threading.Event()
         self._ids = count(1)
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []  # sends kept alive
+        self.key = b""  # the references' signing key, shared when the group forms
 
     @property
     def ready(self) -> bool:
@@ -57,9 +71,13 @@ class DataPlane:
                 world_size=2,
                 timeout=self.timeout,
             )
+            drawn = secrets.token_bytes(KEY_BYTES) if self.rank == 0 else bytes(KEY_BYTES)
+            key = torch.tensor(list(drawn), dtype=torch.uint8, device=self.device)
+            dist.broadcast(key, src=0)  # the verifier's key, to the drafter only
         except RuntimeError as error:
             log.warning("data plane %s at %s unavailable: %s", self.backend, self.addr, error)
             return
+        self.key = bytes(key.cpu().tolist())
         log.info("data plane %s ready at %s (rank %d)", self.backend, self.addr, self.rank)
         self._ready.set()
 
@@ -74,6 +92,12 @@ class DataPlane:
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
         self._pending.append((work, payload))
         return transfer_id
+
+    def sign(self, transfer_id: int, total_rows: int) -> bytes:
+        return sign_ref(self.key, transfer_id, total_rows)
+
+    def verify(self, transfer_id: int, total_rows: int, mac: bytes) -> bool:
+        return bool(self.key) and hmac.compare_digest(self.sign(transfer_id, total_rows), mac)
 
     def recv(self, transfer_id: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         buffer = torch.empty(shape, dtype=dtype, device=self.device)

@@ -60,6 +60,7 @@ class HiddenSender:
                 row_offset=offset,
                 num_rows=r.shape[0],
                 total_rows=batch.shape[0],
+                mac=self.plane.sign(transfer_id, batch.shape[0]),
             )
             messages.append(common_pb2.HiddenStates(plane=ref))
             offset += r.shape[0]
@@ -123,6 +124,8 @@ class HiddenReceiver:
             raise codec.WireError(f"data-plane transfer of {ref.total_rows} rows is too large")
         if ref.row_offset + ref.num_rows > ref.total_rows:
             raise codec.WireError("data-plane rows lie outside the transfer")
+        if not self.plane.verify(ref.transfer_id, ref.total_rows, ref.mac):
+            raise codec.WireError("the data-plane reference is not signed by the verifier")
         batch = self._received.get(ref.transfer_id)
         if batch is None:
             self._check_fresh(ref.transfer_id)

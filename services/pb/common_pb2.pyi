@@ -39,16 +39,18 @@ class HiddenStates(_message.Message):
     def __init__(self, tensor: _Optional[_Union[Tensor, _Mapping]] = ..., plane: _Optional[_Union[PlaneRef, _Mapping]] = ...) -> None: ...
 
 class PlaneRef(_message.Message):
-    __slots__ = ("transfer_id", "row_offset", "num_rows", "total_rows")
+    __slots__ = ("transfer_id", "row_offset", "num_rows", "total_rows", "mac")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     ROW_OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
     transfer_id: int
     row_offset: int
     num_rows: int
     total_rows: int
-    def __init__(self, transfer_id: _Optional[int] = ..., row_offset: _Optional[int] = ..., num_rows: _Optional[int] = ..., total_rows: _Optional[int] = ...) -> None: ...
+    mac: bytes
+    def __init__(self, transfer_id: _Optional[int] = ..., row_offset: _Optional[int] = ..., num_rows: _Optional[int] = ..., total_rows: _Optional[int] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class SeqRef(_message.Message):
     __slots__ = ("seq_id", "num_committed")

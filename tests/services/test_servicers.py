@@ -14,6 +14,7 @@ from lyanna.target import TargetConfig, TargetRunner
 from lyanna.tree import TokenTree
 from services import codec
 from services.codec import WireError
+from services.data_plane import sign_ref
 from services.drafter.server import DrafterConfig, DrafterServicer
 from services.hidden import HiddenReceiver, HiddenSender
 from services.pb import common_pb2, drafter_pb2, verifier_pb2
@@ -149,6 +150,13 @@ class RecordingPlane:
     """A data plane that hands out zero rows and records what was received."""
 
     ready = True
+    key = b"k" * 32
+
+    def sign(self, transfer_id: int, total_rows: int) -> bytes:
+        return sign_ref(self.key, transfer_id, total_rows)
+
+    def verify(self, transfer_id: int, total_rows: int, mac: bytes) -> bool:
+        return mac == self.sign(transfer_id, total_rows)
 
     def __init__(self) -> None:
         self.received: list[int] = []
@@ -162,12 +170,20 @@ def test_stale_or_forged_plane_references_are_refused_before_receiving() -> None
     plane = RecordingPlane()
     receiver = HiddenReceiver(8, torch.float32, plane)
 
-    def ref(transfer_id: int) -> common_pb2.HiddenStates:
+    def ref(transfer_id: int, mac: bytes | None = None) -> common_pb2.HiddenStates:
         plane_ref = common_pb2.PlaneRef(
-            transfer_id=transfer_id, row_offset=0, num_rows=2, total_rows=4
+            transfer_id=transfer_id,
+            row_offset=0,
+            num_rows=2,
+            total_rows=4,
+            mac=plane.sign(transfer_id, 4) if mac is None else mac,
         )
         return common_pb2.HiddenStates(plane=plane_ref)
 
+    for forged in (b"", sign_ref(b"another key" * 3, 2, 4), plane.sign(2, 40)):
+        with pytest.raises(WireError, match="not signed"):  # in the window, not the verifier's
+            receiver.decode(ref(2, forged), 2)
+    assert plane.received == []
     assert receiver.decode(ref(1), 2).shape == (2, 8)
     assert receiver.decode(ref(1), 2).shape == (2, 8)  # the same call: received once
     receiver.end_batch()
@@ -181,12 +197,21 @@ def test_stale_or_forged_plane_references_are_refused_before_receiving() -> None
 def test_discard_receives_an_unread_transfer_once_and_skips_received_ones() -> None:
     plane = RecordingPlane()
     receiver = HiddenReceiver(8, torch.float32, plane)
-    ref = common_pb2.PlaneRef(transfer_id=1, row_offset=0, num_rows=2, total_rows=4)
+
+    def signed(transfer_id: int, num_rows: int, total_rows: int) -> common_pb2.PlaneRef:
+        mac = plane.sign(transfer_id, total_rows)
+        return common_pb2.PlaneRef(
+            transfer_id=transfer_id, num_rows=num_rows, total_rows=total_rows, mac=mac
+        )
+
+    ref = signed(1, 2, 4)
     receiver.decode(common_pb2.HiddenStates(plane=ref), 2)
     receiver.end_batch()
     receiver.discard(ref)  # already received (a Propose read it before its caller gave up)
-    receiver.discard(common_pb2.PlaneRef(transfer_id=2, row_offset=0, num_rows=1, total_rows=1))
+    receiver.discard(signed(2, 1, 1))
     receiver.end_batch()
     assert plane.received == [1, 2]
-    with pytest.raises(WireError, match="not expected"):  # forged: still refused
-        receiver.discard(common_pb2.PlaneRef(transfer_id=10_000, num_rows=1, total_rows=1))
+    with pytest.raises(WireError, match="not expected"):  # far ahead: still refused
+        receiver.discard(signed(10_000, 1, 1))
+    with pytest.raises(WireError, match="not signed"):  # forged
+        receiver.discard(common_pb2.PlaneRef(transfer_id=3, num_rows=1, total_rows=1))
