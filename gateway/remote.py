@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 
 from gateway.backend import (
     BackendBusy,
@@ -80,6 +81,7 @@ class RemoteBackend(Admission):
         self.methods = tuple(dict.fromkeys((self.default_method, TARGET_ONLY)))
         self.max_context = 0
         self.vocab_size = 0
+        self.hidden_row_bytes = 0  # one hidden state on the wire (from the verifier's Capacity)
         self.num_fallback_steps = 0
         self.num_verified_steps = 0
         self.num_resumed = 0  # sequences re-prefilled after the verifier lost them
@@ -113,6 +115,8 @@ class RemoteBackend(Admission):
             raise BackendUnavailable(f"verifier at {where}: {error.details()}") from None
         self.max_context = capacity.max_len - capacity.reserved_rows
         self.vocab_size = capacity.vocab_size
+        hidden_dtype = codec.DTYPES.get(capacity.hidden_dtype, torch.float32)
+        self.hidden_row_bytes = capacity.hidden_size * hidden_dtype.itemsize
         if self.drafter is not None and await self.drafter.describe():
             self.default_method = self.drafter.method
             self.methods = tuple(dict.fromkeys((self.drafter.method, TARGET_ONLY)))

@@ -76,14 +76,36 @@ class Admission:
                 if room <= 0:  # slots held elsewhere: look again shortly
                     asyncio.get_running_loop().call_later(0.2, self._admit.set)
                     break
-                batch = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
-                batch = [s for s in batch if not s.cancelled]
+                batch = self._take_batch(room)
                 try:
                     await self._prefill(batch)
                 except Exception:  # a bug must not stop admission
                     logger.exception("prefill failed")
                     for seq in batch:
                         seq.deliver(BackendUnavailable("internal error (logged)"))
+
+    def _take_batch(self, room: int) -> list[RemoteSeq]:
+        """Up to ``room`` waiting sequences whose inline prompt hidden states fit one message
+        (``max_hidden_bytes``) together; one that alone does not fit is prefilled without them
+        and decodes target-only (its tokens stay exact), instead of failing the Prefill."""
+        inline = (
+            self.drafter is not None and self.drafter.needs_hidden and not self.drafter.plane_ok
+        )
+        budget, batch = self.config.max_hidden_bytes, []
+        while self._waiting and len(batch) < room:
+            seq = self._waiting[0]
+            size = len(seq.history or seq.sequence.prompt_ids) * self.hidden_row_bytes
+            wants = inline and self.drafter.wants_hidden(seq, True)
+            if wants and size > self.config.max_hidden_bytes:
+                seq.use_drafter = seq.keep_hidden = False  # too large for any message
+            elif wants and batch and size > budget:
+                break  # the next Prefill takes it
+            elif wants:
+                budget -= size
+            self._waiting.popleft()
+            if not seq.cancelled:
+                batch.append(seq)
+        return batch
 
     def _fail_waiting(self, error: grpc.aio.AioRpcError) -> None:
         """The verifier is unreachable: new requests fail at once, resuming ones wait on."""

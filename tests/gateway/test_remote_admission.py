@@ -67,3 +67,35 @@ def test_seeds_outside_the_wires_uint64_are_refused() -> None:
         SamplingParams(seed=2**64)
     with pytest.raises(ValueError, match="seed"):
         SamplingParams(seed=-1)
+
+
+class HiddenHungryDrafter:
+    """What admission asks of the drafter link: it reads hidden states, inline."""
+
+    needs_hidden, plane_ok = True, False
+
+    def wants_hidden(self, seq: RemoteSeq, proposed: bool) -> bool:
+        return seq.use_drafter
+
+
+def test_prefill_batches_keep_inline_prompt_hidden_states_within_one_message() -> None:
+    """Prompt hidden states travel inline in the Prefill response: a batch takes sequences
+    while theirs fit ``max_hidden_bytes`` together (the rest wait for the next Prefill), and
+    one whose own rows exceed it is prefilled without them and decodes target-only, rather
+    than failing the whole call at the message limit."""
+    backend = RemoteBackend(RemoteConfig("unused:1", max_hidden_mb=1.0), frozenset(), str)
+    backend.drafter = HiddenHungryDrafter()
+    budget = backend.config.max_hidden_bytes
+    backend.hidden_row_bytes = budget // 15  # 10 prompt rows: two thirds of one message
+
+    def waiting(seq_id: int, rows: int) -> RemoteSeq:
+        sequence = Sequence(seq_id, [1] * rows, SamplingParams(max_tokens=4))
+        return RemoteSeq(sequence, "lyanna", asyncio.Queue(), use_drafter=True)
+
+    small, other, huge, last = waiting(1, 10), waiting(2, 10), waiting(3, 20), waiting(4, 1)
+    backend._waiting.extend([small, other, huge, last])
+    assert backend._take_batch(room=8) == [small]  # the second would overflow the message
+    assert backend._take_batch(room=8) == [other, huge, last]
+    assert not huge.use_drafter and small.use_drafter and other.use_drafter and last.use_drafter
+    backend._waiting.extend([waiting(5, 1), waiting(6, 1)])
+    assert len(backend._take_batch(room=1)) == 1 and len(backend._waiting) == 1
