@@ -60,7 +60,9 @@ def depth_bytes(drafter: Drafter) -> int:
 
 
 def run(setup: BenchSetup, method: str, budget: DraftBudget, params: SamplingParams) -> SpecStats:
-    drafter = make_drafter(method, setup.model, budget)
+    # ungated: every step drafts, so the time per step is a draft step's (a gated step
+    # drafts nothing and would dilute it)
+    drafter = make_drafter(method, setup.model, budget, gate=False)
     stats = SpecStats()
     for i, prompt in enumerate(p for ps in setup.prompts.values() for p in ps):
         engine = SpecEngine(setup.model, drafter, EngineConfig(max_running=1, max_len=2048))
