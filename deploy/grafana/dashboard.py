@@ -329,6 +329,29 @@ def dashboard() -> dict:
     }
 
 
+def panel_targets(rate_interval: str = "1m") -> dict[str, list[tuple[str, str]]]:
+    """Panel title -> its (PromQL query, legend format) pairs as the committed dashboard
+    holds them, the variables filled in (every model, method and service): what a Grafana
+    shows, for tests and ``bench.dashboard_snapshot``."""
+    values = {"$__rate_interval": rate_interval, "$model": ".*", "$method": ".*"}
+    values["$service"] = ".*"
+    targets: dict[str, list[tuple[str, str]]] = {}
+    for panel in json.loads(OUTPUT.read_text())["panels"]:
+        for target in panel["targets"]:
+            expr = target["expr"]
+            for variable_name, value in values.items():
+                expr = expr.replace(variable_name, value)
+            targets.setdefault(panel["title"], []).append((expr, target.get("legendFormat", "")))
+    return targets
+
+
+def panel_queries(rate_interval: str = "1m") -> dict[str, list[str]]:
+    """Panel title -> its PromQL queries (see ``panel_targets``)."""
+    return {
+        title: [expr for expr, _ in pairs] for title, pairs in panel_targets(rate_interval).items()
+    }
+
+
 def render() -> str:
     return json.dumps(dashboard(), indent=2) + "\n"
 

@@ -9,60 +9,31 @@ LYANNA_ALLOW_NO_PROMETHEUS=1."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
 
+from deploy.grafana.dashboard import panel_queries
+from deploy.prometheus import local
+from deploy.prometheus.local import poll, query, ready, start_prometheus
 from gateway.server import free_port
 from services.launch import launch
 from tests.gateway.conftest import MODEL_NAME
-from tests.gateway.test_deploy import DEPLOY
 
 pytestmark = pytest.mark.slow
 
-SCRAPE_CONFIG = """\
-global:
-  scrape_interval: 1s
-  evaluation_interval: 1s
-scrape_configs:
-  - job_name: lyanna
-    scrape_interval: 1s
-    static_configs:
-      - targets: [{targets}]
-"""
-
 
 def prometheus_binary() -> str:
-    binary = shutil.which("prometheus")
+    binary = local.prometheus_binary()
     if binary is None:
         if os.environ.get("LYANNA_ALLOW_NO_PROMETHEUS") == "1":
             pytest.skip("prometheus is not installed (LYANNA_ALLOW_NO_PROMETHEUS=1)")
         pytest.fail("prometheus is not on PATH: apt-get install -y prometheus (see .ci/run)")
     return binary
-
-
-def query(base: str, promql: str) -> list[dict]:
-    response = httpx.get(f"{base}/api/v1/query", params={"query": promql}, timeout=5)
-    response.raise_for_status()
-    return response.json()["data"]["result"]
-
-
-def poll(fn, timeout: float = 90.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = fn()
-        if result:
-            return result
-        time.sleep(0.5)
-    raise AssertionError("timed out")
 
 
 def test_prometheus_scrapes_spec_metrics(gateway, tmp_path) -> None:
@@ -78,7 +49,7 @@ def test_prometheus_scrapes_spec_metrics(gateway, tmp_path) -> None:
     target = gateway.url.removeprefix("http://")
     base, process = start_prometheus(binary, [target], tmp_path)
     try:
-        poll(lambda: _ready(base))
+        poll(lambda: ready(base))
         up = poll(lambda: query(base, 'up{job="lyanna"} == 1'))
         assert up[0]["metric"]["instance"] == target
         series = poll(lambda: query(base, "lyanna_spec_accepted_tokens_total > 0"))
@@ -91,58 +62,15 @@ def test_prometheus_scrapes_spec_metrics(gateway, tmp_path) -> None:
         )
         # a second request between scrapes gives rate() two distinct samples to work with
         httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=60)
-        check_dashboard_queries(base)
+        check_panel_queries(base)
     finally:
         process.terminate()
         process.wait(timeout=30)
 
 
-def start_prometheus(binary: str, targets: list[str], tmp_path) -> tuple[str, subprocess.Popen]:
-    config = tmp_path / "prometheus.yml"
-    config.write_text(SCRAPE_CONFIG.format(targets=", ".join(f'"{t}"' for t in targets)))
-    port = free_port()
-    process = subprocess.Popen(
-        [
-            binary,
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    return f"http://127.0.0.1:{port}", process
-
-
-def _ready(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/-/ready", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
-
-
-def dashboard_queries(rate_interval: str = "1m") -> dict[str, list[str]]:
-    """Panel title -> its PromQL queries, the dashboard's variables filled in."""
-    dashboard = json.loads((DEPLOY / "grafana" / "lyanna.json").read_text())
-    substitutions = {
-        "$__rate_interval": rate_interval,
-        "$model": ".*",
-        "$method": ".*",
-        "$service": ".*",
-    }
-    queries: dict[str, list[str]] = {}
-    for panel in dashboard["panels"]:
-        for target in panel["targets"]:
-            expr = target["expr"]
-            for variable, value in substitutions.items():
-                expr = expr.replace(variable, value)
-            queries.setdefault(panel["title"], []).append(expr)
-    return queries
-
-
-def check_dashboard_queries(base: str) -> None:
+def check_panel_queries(base: str) -> None:
     exprs: dict[str, str] = {}
-    for title, queries in dashboard_queries().items():
+    for title, queries in panel_queries().items():
         for expr in queries:
             response = httpx.get(f"{base}/api/v1/query", params={"query": expr}, timeout=5)
             assert response.status_code == 200, (title, response.text)
@@ -178,13 +106,13 @@ def test_every_panel_shows_the_three_processes(tiny_chat_dir, tmp_path) -> None:
         targets = [url.removeprefix("http://"), *(f"127.0.0.1:{p}" for p in ports.values())]
         base, process = start_prometheus(binary, targets, tmp_path)
         try:
-            poll(lambda: _ready(base))
+            poll(lambda: ready(base))
             poll(lambda: len(query(base, 'up{job="lyanna"} == 1')) == len(targets))
             usages = run_load(url)
             poll(lambda: scraped_steps(base) >= sum(u["num_verifications"] for u in usages))
             # every panel once: those of a dead drafter go stale after it is killed, the
             # fallback panels only fill after it
-            panels = dashboard_queries(rate_interval="5m")
+            panels = panel_queries(rate_interval="5m")
             empty = [t for t, queries in panels.items() if not any(query(base, q) for q in queries)]
             deployment.kill("drafter")
             usages += run_load(url, requests=1)
