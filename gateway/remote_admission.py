@@ -57,9 +57,13 @@ class Admission:
             self._admit.clear()
             while self._waiting and not self._closing:
                 held = [s for s in self._waiting if s.resume_by is not None and s.may_hold_slot]
-                if held:  # a verifier that only timed out may still hold their slots: free
-                    # them before counting free slots, or a full verifier never has room
-                    await self._release_on_verifier(held)
+                # a verifier that only timed out may still hold their slots: free them before
+                # counting free slots (or a full verifier never has room) and before prefilling
+                # them again; retried until the verifier answers
+                if held:
+                    if not await self._release_on_verifier(held):
+                        asyncio.get_running_loop().call_later(0.5, self._admit.set)
+                        break
                     for seq in held:
                         seq.may_hold_slot = False
                 room = self.config.max_running - self._num_running
@@ -197,14 +201,16 @@ class Admission:
         if finished:
             await self._release(finished)
 
-    async def _release_on_verifier(self, seqs: list[RemoteSeq]) -> None:
-        """Best effort: free whatever KV slots the verifier holds for these sequences (it
-        releases unknown ids as a no-op)."""
+    async def _release_on_verifier(self, seqs: list[RemoteSeq]) -> bool:
+        """Free whatever KV slots the verifier holds for these sequences (it releases unknown
+        ids as a no-op); False when the call failed."""
         request = common_pb2.ReleaseRequest(seq_ids=[s.seq_id for s in seqs])
         try:
             await self._verifier.Release(request, timeout=self.config.control_deadline)
         except grpc.aio.AioRpcError as error:
-            logger.warning("release after a failed prefill: %s", error.details())
+            logger.warning("release on the verifier failed: %s", error.details())
+            return False
+        return True
 
 
 def verifier_failure(error: grpc.aio.AioRpcError) -> BackendUnavailable:

@@ -7,6 +7,8 @@ tokens all show as a mismatch). Results feed ``docs/reliability.md``.
 
 Faults: ``drafter-kill`` (SIGKILL the drafter mid-generation, restart it before the next
 rep), ``verifier-restart`` (SIGKILL the verifier and start it again on its port),
+``verifier-pause`` (SIGSTOP the verifier for 4 s with 2 s call deadlines: a stalled node whose
+calls time out while it still holds, and may still change, their sequences),
 ``drafter-late`` (every draft misses a 1 ms deadline: target-only steps), and
 ``client-disconnect`` (one client walks away mid-stream: its slot must come back, the other
 answers stay exact). Loopback only; every rep is bounded in tokens and time.
@@ -16,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -36,6 +40,7 @@ from services.launch import Deployment, launch
 from services.pb import verifier_pb2
 
 REP_SECONDS = 300.0
+PAUSE_SECONDS = 4.0  # verifier-pause: the stall (the calls' deadlines are half of it)
 
 
 @dataclass(slots=True)
@@ -63,6 +68,16 @@ async def collect(backend: RemoteBackend, prompt: list[int], max_tokens: int, st
     return tokens, error
 
 
+def pause(pid: int, seconds: float) -> None:
+    """A stalled verifier (SIGSTOP, then SIGCONT): calls in flight pass their deadline, the
+    verifier may still hold their slots and finish their work after it resumes."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 async def one_rep(
     deployment: Deployment,
     fault: str,
@@ -76,6 +91,8 @@ async def one_rep(
         deployment.verifier_addr,
         deployment.drafter_addr,
         draft_deadline=0.001 if fault == "drafter-late" else 10.0,
+        verify_deadline=PAUSE_SECONDS / 2 if fault == "verifier-pause" else 60.0,
+        control_deadline=PAUSE_SECONDS / 2 if fault == "verifier-pause" else 10.0,
         drafter_retry_seconds=0.2,
         queue_timeout=120.0,
     )
@@ -88,6 +105,7 @@ async def one_rep(
         actions: dict[str, Callable[[], None]] = {
             "drafter-kill": lambda: deployment.kill("drafter"),
             "verifier-restart": lambda: deployment.restart("verifier"),
+            "verifier-pause": lambda: pause(deployment.pid("verifier"), PAUSE_SECONDS),
         }
         if fault not in actions:
             return
@@ -134,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=3, help="concurrent requests per rep")
     parser.add_argument(
         "--faults",
-        default="drafter-kill,verifier-restart,drafter-late,client-disconnect",
+        default="drafter-kill,verifier-restart,verifier-pause,drafter-late,client-disconnect",
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

@@ -81,6 +81,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             try:
                 for item, item_params in zip(items, params, strict=True):
                     resume = item.next_token if item.HasField("next_token") else None
+                    if resume is not None:  # the gateway's history is the truth: a copy this
+                        self.runner.release(item.seq_id)  # verifier still holds is stale
                     prefilled = self.runner.prefill(
                         item.seq_id,
                         list(item.prompt_ids),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import grpc
 import pytest
 
 from gateway.backend import BackendUnavailable
@@ -99,3 +100,59 @@ def test_prefill_batches_keep_inline_prompt_hidden_states_within_one_message() -
     assert not huge.use_drafter and small.use_drafter and other.use_drafter and last.use_drafter
     backend._waiting.extend([waiting(5, 1), waiting(6, 1)])
     assert len(backend._take_batch(room=1)) == 1 and len(backend._waiting) == 1
+
+
+class StalledVerifier(FullVerifier):
+    """Free slots, but its first two Release calls time out (still stalled); records the
+    order of Release successes and Prefill calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures, self.calls = 2, []
+
+    async def Capacity(self, request, timeout=None):
+        return verifier_pb2.CapacityResponse(free_slots=4, total_slots=4)
+
+    async def Release(self, request, timeout=None):
+        if self.failures:
+            self.failures -= 1
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata()
+            )
+        self.calls.append("release")
+        return await super().Release(request, timeout)
+
+    async def Prefill(self, request, timeout=None):
+        self.calls.append("prefill")
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata()
+        )
+
+
+def test_a_lost_sequence_is_prefilled_again_only_after_its_old_copy_is_released() -> None:
+    """While the verifier cannot confirm the release (it stalled past the deadlines), the
+    sequence is not prefilled again: a copy the verifier still holds would refuse it."""
+
+    async def run() -> list[str]:
+        backend = RemoteBackend(RemoteConfig("unused:1", queue_timeout=5), frozenset(), str)
+        verifier = StalledVerifier()
+        backend._verifier = verifier
+        admit = asyncio.get_running_loop().create_task(backend._admit_loop())
+        seq = RemoteSeq(Sequence(9, [1, 2], SamplingParams()), "ar", asyncio.Queue(), False)
+        seq.history, seq.next_token, seq.resume_by = [1, 2], 3, time.monotonic() + 5
+        backend._num_running = 1
+        backend._requeue([seq])
+        await asyncio.wait_for(poll_async(lambda: "prefill" in verifier.calls), timeout=10)
+        backend._closing = True
+        backend._admit.set()
+        seq.resume_by = time.monotonic()  # let the rest of the test go
+        await admit
+        return verifier.calls
+
+    calls = asyncio.run(run())
+    assert calls[:2] == ["release", "prefill"]
+
+
+async def poll_async(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0.05)

@@ -77,6 +77,22 @@ def test_verifier_runs_no_forward_for_a_caller_that_is_gone() -> None:
     assert response.results[0].ref.num_committed == 4
 
 
+def test_a_resume_replaces_a_stale_copy_a_plain_duplicate_is_refused() -> None:
+    """A verifier that stalled past the gateway's deadline may still hold a sequence the
+    gateway re-prefills from its history (``next_token`` set): the stale copy is replaced,
+    not a FAILED_PRECONDITION that fails the request. A second plain Prefill stays refused."""
+    servicer = verifier()
+    root = prefill(servicer, 1, [1, 2, 3])
+    item = verifier_pb2.PrefillItem(seq_id=1, prompt_ids=[1, 2, 3, root], next_token=5)
+    item.params.max_tokens = 8
+    response = servicer.Prefill(verifier_pb2.PrefillRequest(items=[item]), FakeContext())
+    assert response.results[0].first_token == 5 and servicer.runner.num_committed(1) == 4
+    assert servicer.runner.num_free_slots == 1  # replaced, not a second slot
+    with pytest.raises(Aborted) as duplicate:
+        prefill(servicer, 1, [1, 2, 3])
+    assert duplicate.value.args[0] == grpc.StatusCode.FAILED_PRECONDITION
+
+
 def test_verifier_refuses_duplicates_and_room_overflow() -> None:
     servicer = verifier()
     root = prefill(servicer, 1, [1, 2, 3])
