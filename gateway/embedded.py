@@ -351,8 +351,9 @@ class EmbeddedBackend:
             handle = self._handles.pop(seq_id, None)
             if handle is not None:
                 self._deliver(handle, failure)
+        waiting = {s.seq_id for s in self.engine.waiting}
         for seq_id, handle in list(self._handles.items()):  # waiting on a dropped method
-            if seq_id not in {s.seq_id for s in self.engine.waiting}:
+            if seq_id not in waiting:
                 self._deliver(handle, failure)
                 del self._handles[seq_id]
 

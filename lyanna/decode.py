@@ -26,7 +26,7 @@ class DecodeStats:
 
 
 def prefill(
-    model: Transformer, prompt_ids: list[int], cache, slot: int, decoded: list[int] = ()
+    model: Transformer, prompt_ids: list[int], cache, slot: int, decoded: list[int] | None = None
 ) -> torch.Tensor:  # [prompt_len + len(decoded), hidden]
     """Fill the slot with the prompt and commit it; returns the prompt's hidden states.
     ``decoded``: tokens already decoded after the prompt (a resumed sequence), run as one
@@ -35,7 +35,7 @@ def prefill(
     device = model.embed_tokens.weight.device
     slots = torch.tensor([slot])
     hidden = []
-    for start, ids in ((0, prompt_ids), (len(prompt_ids), list(decoded))):
+    for start, ids in ((0, prompt_ids), (len(prompt_ids), decoded or [])):
         if not ids:
             continue
         tokens = torch.tensor([ids], dtype=torch.int64, device=device)

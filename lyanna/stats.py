@@ -25,7 +25,6 @@ class SpecStats:
     num_steps: int = 0  # verifications (one per sequence per engine step)
     num_drafted: int = 0
     num_accepted: int = 0
-    num_emitted: int = 0  # tokens handed to sequences (accepted + residual/bonus)
     num_resampled_accepted: int = 0  # accepted tokens only a re-sampled subtree held (Lyanna)
     reached: list[int] = field(default_factory=list)  # [d-1]: steps with depth d-1 accepted and
     #                                                   a depth-d node drafted
@@ -39,7 +38,6 @@ class SpecStats:
         self.num_steps += 1
         self.num_drafted += sum(verdict.num_drafted_per_depth)
         self.num_accepted += verdict.num_accepted
-        self.num_emitted += verdict.num_accepted + 1
         depths = len(verdict.num_drafted_per_depth)
         while len(self.reached) < depths:
             self.reached.append(0)
@@ -50,6 +48,11 @@ class SpecStats:
             self.reached[d] += 1
             if d < verdict.num_accepted:
                 self.accepted[d] += 1
+
+    @property
+    def num_emitted(self) -> int:
+        """Tokens handed to sequences by verifications (accepted + one residual/bonus each)."""
+        return self.num_accepted + self.num_steps
 
     @property
     def acceptance_length(self) -> float:
@@ -64,7 +67,6 @@ class SpecStats:
             "num_steps",
             "num_drafted",
             "num_accepted",
-            "num_emitted",
             "num_resampled_accepted",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
