@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from lyanna.drafters import TREE_MODES, DraftBudget, default_budget, tree_budget
+from lyanna.model.loader import WEIGHT_FORMATS
 
 SPEC_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "eval" / "spec_bench.jsonl"
 
@@ -82,9 +83,7 @@ def add_run_args(parser: argparse.ArgumentParser, per_category: int, max_tokens:
         "cost curve); fixed: always --budget nodes",
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
-    parser.add_argument(
-        "--weights", choices=("auto", "fp32", "q4"), default="auto", help="target weights"
-    )
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto", help="target weights")
 
 
 def method_budget(args: argparse.Namespace, method: str, model) -> DraftBudget:

@@ -20,6 +20,7 @@ from bench.common import print_table, set_threads
 from bench.spec_bench import BenchSetup, run_methods
 from lyanna.drafters import DraftBudget, default_budget, make_drafter
 from lyanna.model.calibrate import verify_cost
+from lyanna.model.loader import WEIGHT_FORMATS
 from lyanna.sampling import SamplingParams
 
 
@@ -48,7 +49,7 @@ def main() -> None:
     parser.add_argument("--limit-per-category", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--weights", choices=("auto", "fp32", "q4"), default="auto")
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto")
     args = parser.parse_args()
     set_threads(args.threads)
     setup = BenchSetup.load(per_category=args.limit_per_category, weights=args.weights)

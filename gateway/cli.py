@@ -87,8 +87,10 @@ def _add_weights(parser: argparse.ArgumentParser) -> None:
         "--weights",
         choices=WEIGHT_FORMATS,
         default=os.environ.get("LYANNA_WEIGHTS", "auto"),
-        help="target weights: q4 = the GGUF's 4-bit blocks on the int4 kernel, fp32 = "
-        "dequantized (exact), auto = whichever measured faster here (env LYANNA_WEIGHTS)",
+        help="target weights: q4 = the GGUF's 4-bit blocks on the int4 kernel, q4a8 = the "
+        "same with int8 activations (llama.cpp's numerics: faster verification, batches and "
+        "prefill, less exact), fp32 = dequantized (exact), auto = fp32 or q4, whichever "
+        "measured faster here (env LYANNA_WEIGHTS)",
     )
 
 

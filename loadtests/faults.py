@@ -9,7 +9,10 @@ Faults: ``drafter-kill`` (SIGKILL the drafter mid-generation, restart it before 
 rep), ``verifier-restart`` (SIGKILL the verifier and start it again on its port),
 ``verifier-pause`` (SIGSTOP the verifier for 4 s with 2 s call deadlines: a stalled node whose
 calls time out while it still holds, and may still change, their sequences),
-``drafter-late`` (every draft misses a 1 ms deadline: target-only steps), and
+``drafter-restart`` (stale state: SIGKILL the drafter and start a new one on its port at
+once, so the gateway's next Propose names sequences the new drafter never saw and must start
+them again from its history), ``drafter-late`` (every draft misses a 1 ms deadline:
+target-only steps), and
 ``client-disconnect`` (one client walks away mid-stream: its slot must come back, the other
 answers stay exact). Loopback only; every rep is bounded in tokens and time.
 """
@@ -39,6 +42,14 @@ from lyanna.tokenizer import chat_prompt_ids, load_tokenizer
 from services.launch import Deployment, launch
 from services.pb import verifier_pb2
 
+FAULTS = (
+    "drafter-kill",
+    "drafter-restart",
+    "verifier-restart",
+    "verifier-pause",
+    "drafter-late",
+    "client-disconnect",
+)
 REP_SECONDS = 300.0
 PAUSE_SECONDS = 4.0  # verifier-pause: the stall (the calls' deadlines are half of it)
 
@@ -66,6 +77,16 @@ async def collect(backend: RemoteBackend, prompt: list[int], max_tokens: int, st
     except Exception as err:  # counted: what the client saw
         error = type(err).__name__
     return tokens, error
+
+
+def greedy_references(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Plain greedy answers on the weights the verifier loads, with its numerics (one thread):
+    what every answer of a run must equal."""
+    torch.set_num_threads(1)
+    model = load_model(model_dir, weights="auto")
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=max_tokens)) for i, p in enumerate(prompts)]
+    generate(model, seqs)
+    return [s.output_ids for s in seqs]
 
 
 def pause(pid: int, seconds: float) -> None:
@@ -104,6 +125,7 @@ async def one_rep(
     async def inject() -> None:
         actions: dict[str, Callable[[], None]] = {
             "drafter-kill": lambda: deployment.kill("drafter"),
+            "drafter-restart": lambda: deployment.restart("drafter"),
             "verifier-restart": lambda: deployment.restart("verifier"),
             "verifier-pause": lambda: pause(deployment.pid("verifier"), PAUSE_SECONDS),
         }
@@ -152,21 +174,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=3, help="concurrent requests per rep")
     parser.add_argument(
         "--faults",
-        default="drafter-kill,verifier-restart,verifier-pause,drafter-late,client-disconnect",
+        default=",".join(FAULTS),
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    unknown = set(args.faults.split(",")) - set(FAULTS)
+    if unknown:
+        parser.error(f"unknown faults {sorted(unknown)}; choose from {', '.join(FAULTS)}")
     model_dir = fetch_default_model()
     tokenizer = load_tokenizer(model_dir)
     texts = load_prompts()[: args.requests]
     prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": t}]) for t in texts]
-    torch.set_num_threads(1)  # the services' numerics (one thread each)
-    model = load_model(model_dir, weights="auto")  # what the verifier loads (one thread)
-    seqs = [
-        Sequence(i, p, SamplingParams(max_tokens=args.max_tokens)) for i, p in enumerate(prompts)
-    ]
-    generate(model, seqs)
-    expected = [s.output_ids for s in seqs]
+    expected = greedy_references(model_dir, prompts, args.max_tokens)
     rng = random.Random(args.seed)
     rows = []
     with launch(model_dir, args.method) as deployment:

@@ -30,7 +30,9 @@ from lyanna.model.quant import (
 )
 from lyanna.model.transformer import Transformer, rope_tables
 
-WEIGHT_FORMATS = ("auto", "fp32", "q4")
+# q4a8: the q4 blocks with int8 activations (llama.cpp's numerics): cheaper products when a
+# forward carries many rows (verification, batches, prefill), at 7 bits per input
+WEIGHT_FORMATS = ("auto", "fp32", "q4", "q4a8")
 
 HF_LAYER = "model.layers.{}."
 _GGUF_LAYER_NAMES = {
@@ -191,6 +193,7 @@ def build_model(
     device: torch.device | str = "cpu",
     prepack: bool = True,
     q4: dict[str, Q4Blocks | Q8Blocks] | None = None,
+    int8_rows: bool = False,
 ) -> Transformer:
     """Map a Hugging Face Llama state dict onto the lean model; on CPU, ``prepack`` swaps the
     linear layers for oneDNN-packed ones (see ``cpu_kernels``). With ``q4`` (4-bit blocks by
@@ -230,15 +233,18 @@ def build_model(
     model = model.to(device=device, dtype=dtype).eval()
     model.rope_cos, model.rope_sin = (t.to(device) for t in rope_tables(config))
     if q4:
-        _use_q4(model, q4)
+        _use_q4(model, q4, int8_rows)
     if prepack:
         prepack_linears(model)
     return model
 
 
-def _use_q4(model: Transformer, q4: dict[str, Q4Blocks | Q8Blocks]) -> None:
-    """Swap the fused projections for ``Int4Linear`` wherever all their parts are 4-bit, and
-    the LM head for its Q8_0 blocks where the file has them."""
+def _use_q4(
+    model: Transformer, q4: dict[str, Q4Blocks | Q8Blocks], int8_rows: bool = False
+) -> None:
+    """Swap the fused projections for ``Int4Linear`` wherever all their parts are 4-bit
+    (taking int8 inputs with ``int8_rows``), and the LM head for its Q8_0 blocks where the
+    file has them."""
     fused = {
         "attention.wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
         "attention.wo": ("self_attn.o_proj",),
@@ -251,7 +257,8 @@ def _use_q4(model: Transformer, q4: dict[str, Q4Blocks | Q8Blocks]) -> None:
             if all(n in q4 for n in names):
                 parent_name, attr = ours.split(".")
                 parent = getattr(block, parent_name)
-                setattr(parent, attr, Int4Linear(Q4Blocks.cat([q4[n] for n in names])))
+                blocks = Q4Blocks.cat([q4[n] for n in names])
+                setattr(parent, attr, Int4Linear(blocks, int8_rows))
     tied = model.lm_head.weight is model.embed_tokens.weight
     head = q4.get(HEAD_NAMES[1] if tied else HEAD_NAMES[0])
     if isinstance(head, Q8Blocks) and head.shape[0] % TILE == 0 and load_decoder() is not None:
@@ -274,7 +281,9 @@ def load_model(
 
     ``weights``: ``fp32`` dequantizes everything (the exact reference); ``q4`` runs the 4-bit
     blocks of the source GGUF (the file itself, or the one a converted default-model directory
-    came from) on the int4 kernel; ``auto`` picks whichever measured faster on this machine
+    came from) on the int4 kernel; ``q4a8`` the same blocks with int8 activations in the
+    native kernel (llama.cpp's numerics: faster products over many rows, less exact);
+    ``auto`` picks whichever measured faster on this machine
     (``calibrate.choose_weights``, cached per machine)."""
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
@@ -292,18 +301,22 @@ def load_model(
         q4 = read_gguf_q4(gguf) if gguf is not None and int4_kernel_available() else {}
         if not any(isinstance(b, Q4Blocks) for b in q4.values()):
             q4 = {}  # a Q8_0 head alone is not a 4-bit model
-        if weights == "q4" and not q4:
+        if weights in ("q4", "q4a8") and not q4:
             raise CheckpointError(
-                f"weights='q4' needs a GGUF with Q4_0/Q4_1 layers and torch's int4 CPU kernel; "
-                f"{path} has none"
+                f"weights={weights!r} needs a GGUF with Q4_0/Q4_1 layers and torch's int4 CPU "
+                f"kernel; {path} has none"
             )
         if weights == "auto" and q4:
             from lyanna.model.calibrate import choose_weights
 
             q4 = q4 if choose_weights(config) == "q4" else None
-    elif weights == "q4":
-        raise ValueError("weights='q4' runs on the CPU in float32 only")
-    return build_model(config, state, dtype, device, prepack, q4=q4 or None)
+    elif weights in ("q4", "q4a8"):
+        raise ValueError(f"weights={weights!r} runs on the CPU in float32 only")
+    if weights == "q4a8" and load_decoder() is None:
+        raise CheckpointError("weights='q4a8' needs the native decoder (a C++ compiler)")
+    return build_model(
+        config, state, dtype, device, prepack, q4=q4 or None, int8_rows=weights == "q4a8"
+    )
 
 
 def source_gguf(model_dir: Path) -> Path | None:

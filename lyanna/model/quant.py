@@ -213,18 +213,22 @@ class BlockLinear(nn.Module):
 
 
 QMAX = 32767.0  # activations are quantized to int16 per 32-input block
+QMAX8 = 127.0  # ... or to int8 (``int8_rows``: llama.cpp's activations, half the integer work)
 
 
-def block_matmul_reference(x: torch.Tensor, blocks: Q4Blocks | Q8Blocks) -> torch.Tensor:
+def block_matmul_reference(
+    x: torch.Tensor, blocks: Q4Blocks | Q8Blocks, int8_rows: bool = False
+) -> torch.Tensor:
     """What the native kernel computes, operation by operation in float32 (its bits): each
-    row's 32-blocks rounded to int16 at scale max|x| / 32767, exact integer dot products
-    with the codes, and the blocks' scales applied in ascending order."""
+    row's 32-blocks rounded to int16 (int8 with ``int8_rows``) at scale max|x| / qmax, exact
+    integer dot products with the codes, and the blocks' scales applied in ascending order."""
+    qmax = QMAX8 if int8_rows else QMAX
     M, K = x.shape
     xb = x.float().reshape(M, K // GROUP, GROUP)
     top = xb.abs().amax(-1)  # [M, G]
-    inv = torch.where(top > 0, torch.full_like(top, QMAX) / top, 0.0)  # (scalar / t: 1/t * s)
-    xq = (xb * inv[..., None]).round().clamp(-QMAX, QMAX)
-    scale, total = top / QMAX, xq.sum(-1)  # sums of integers below 2^24: exact
+    inv = torch.where(top > 0, torch.full_like(top, qmax) / top, 0.0)  # (scalar / t: 1/t * s)
+    xq = (xb * inv[..., None]).round().clamp(-qmax, qmax)
+    scale, total = top / qmax, xq.sum(-1)  # sums of integers below 2^24: exact
     codes = blocks.codes.to(torch.int64).reshape(-1, K // GROUP, GROUP)
     dots = torch.einsum("mgk,ngk->mng", xq.to(torch.int64), codes).float()  # [M, N, G] exact
     d, m = (t.half().float()[None] for t in (blocks.scale, blocks.minimum))
@@ -237,16 +241,17 @@ def block_matmul_reference(x: torch.Tensor, blocks: Q4Blocks | Q8Blocks) -> torc
 
 class Int4Linear(nn.Module):
     """A bias-free Linear over Q4 blocks (inference only). With the native decoder at hand
-    the product is its kernel (``block_matmul.h``: int16 rows, exact integer block products,
-    the file's scales in float32); otherwise torch's int4 kernel, which rounds the scales
-    and the inputs to bf16."""
+    the product is its kernel (``block_matmul.h``: int16 rows, or int8 rows with
+    ``int8_rows``, exact integer block products, the file's scales in float32); otherwise
+    torch's int4 kernel, which rounds the scales and the inputs to bf16."""
 
-    def __init__(self, blocks: Q4Blocks) -> None:
+    def __init__(self, blocks: Q4Blocks, int8_rows: bool = False) -> None:
         super().__init__()
         from lyanna.model.native import load_decoder
 
         self.out_features, self.in_features = blocks.shape
         self.native = load_decoder() is not None
+        self.int8_rows = int8_rows and self.native
         if self.native:
             self.packed, self.scales = pack_q4(blocks)
             return
@@ -263,7 +268,9 @@ class Int4Linear(nn.Module):
         if self.native:
             from lyanna.model.native import load_decoder  # cached: the one built at init
 
-            out = load_decoder().block_linear(flat.float().contiguous(), self.packed, self.scales)
+            out = load_decoder().block_linear(
+                flat.float().contiguous(), self.packed, self.scales, self.int8_rows
+            )
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 flat.to(KERNEL_DTYPE), self.packed, GROUP, self.scales

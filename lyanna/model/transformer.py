@@ -136,6 +136,7 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(config)
         self.native = None  # the native decoder and this layer's tensors (``use_native``)
         self._native_tensors: list[torch.Tensor] = []
+        self._native_int8_rows = False
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
         if self.native is not None and isinstance(getattr(ctx, "cache", None), KVCache):
@@ -150,6 +151,7 @@ class Block(nn.Module):
         if extension is None or tensors is None:
             return False
         self.native, self._native_tensors = extension, tensors
+        self._native_int8_rows = int8_rows(self)
         return True
 
     def _native_forward(self, x: torch.Tensor, ctx, layer: int) -> torch.Tensor:
@@ -175,6 +177,7 @@ class Block(nn.Module):
             ctx.cos.reshape(B * q, -1),
             ctx.sin.reshape(B * q, -1),
             self.config,
+            int8_rows=self._native_int8_rows,
         )
         return out.view(B, q, d).to(x.dtype)
 
@@ -213,6 +216,17 @@ def native_layer_tensors(block: Block) -> list[torch.Tensor] | None:
     return tensors
 
 
+def int8_rows(module: nn.Module) -> bool:
+    """Whether the 4-bit projections under ``module`` take int8 inputs (one native call runs
+    them all alike, so they must agree)."""
+    from lyanna.model.quant import Int4Linear
+
+    found = {m.int8_rows for m in module.modules() if isinstance(m, Int4Linear)}
+    if len(found) > 1:
+        raise ValueError("4-bit projections disagree on int8 rows")
+    return found == {True}
+
+
 def run_native(
     extension,
     x: torch.Tensor,  # [B*q, d] float32 contiguous
@@ -227,9 +241,11 @@ def run_native(
     sin: torch.Tensor,
     config: ModelConfig,
     prompt: bool = False,
+    int8_rows: bool = False,
 ) -> torch.Tensor:
     """One native call over ``layers`` of ``cache`` (see ``decoder.cpp`` for the arguments;
-    ``prompt``: the rows are a fresh prompt's prefill, and the causal mask is implied)."""
+    ``prompt``: the rows are a fresh prompt's prefill, and the causal mask is implied;
+    ``int8_rows``: the 4-bit products take int8 inputs)."""
     return extension.decoder_layers(
         x,
         tensors,
@@ -245,6 +261,7 @@ def run_native(
         config.num_kv_heads,
         config.rms_norm_eps,
         prompt,
+        int8_rows,
     )
 
 
@@ -317,6 +334,7 @@ class Transformer(nn.Module):
         # the eager layers below
         self.native = None
         self._native_layers: list[torch.Tensor] = []
+        self._native_int8_rows = False
         cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -365,6 +383,7 @@ class Transformer(nn.Module):
             return False
         self.native = extension
         self._native_layers = [t for layer in layers for t in layer]  # type: ignore[union-attr]
+        self._native_int8_rows = int8_rows(self)
         self.attention_dtype = None
         return True
 
@@ -396,6 +415,7 @@ class Transformer(nn.Module):
             self.rope_sin[positions].reshape(B * q, -1),
             self.config,
             prompt,
+            self._native_int8_rows,
         )
         return self.norm(x.view(B, q, -1))
 

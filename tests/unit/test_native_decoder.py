@@ -261,3 +261,72 @@ def test_a_resumed_sequence_gets_back_the_kv_decoding_gave_it(extension) -> None
     assert runner.num_committed(2) == runner.num_committed(1) == len(history)
     assert torch.equal(kv(2), kv(1))
     assert not torch.equal(kv(3), kv(1))
+
+
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_batched_attention_scores_keep_the_generic_bits(head_dim: int, extension) -> None:
+    """Attention scores run eight keys at a time where the CPU has AVX2; the build with the
+    one-key-at-a-time loop (``LYANNA_GENERIC_SCORES``) must give the same hidden states, bit
+    for bit, over contexts that are and are not multiples of eight keys."""
+    from lyanna.model.native import load_decoder_variant
+
+    generic_ext = load_decoder_variant("LYANNA_GENERIC_SCORES")
+    assert generic_ext is not None
+    model = q4_model(head_dim, seed=11)
+    fast, generic = native_twin(model, extension), native_twin(model, generic_ext)
+    rng = random.Random(11)
+    for length in (5, 16, 37):
+        prefix = [rng.randrange(96) for _ in range(length)]
+        tree = random_tree(rng, 96)
+        outputs = []
+        for twin in (fast, generic):
+            cache = twin.new_cache(1, 128)
+            slot = cache.allocate()
+            prefill(twin, cache, slot, prefix)
+            packed = pack_trees([tree], [length])
+            outputs.append(
+                twin(packed.tokens, packed.positions, cache, torch.tensor([slot]), packed.mask)
+            )
+        assert torch.equal(outputs[0], outputs[1]), length
+
+
+def test_int8_rows_run_the_whole_decoder_batch_invariantly(extension) -> None:
+    """q4a8 (int8 activations): tree rows still equal decoding bitwise, and the model stays
+    close to the int16-row one (7 bits per input instead of 15)."""
+    model = q4_model(32, seed=12)
+    for layer in model.layers:
+        for parent, name in ((layer.attention, "wqkv"), (layer.attention, "wo")):
+            linear = getattr(parent, name)
+            setattr(parent, name, Int4Linear(linear_blocks(linear), int8_rows=True))
+        for name in ("w13", "w2"):
+            linear = getattr(layer.feed_forward, name)
+            setattr(layer.feed_forward, name, Int4Linear(linear_blocks(linear), int8_rows=True))
+    a8 = native_twin(model, extension)
+    assert a8._native_int8_rows
+    rng = random.Random(12)
+    prefix = [rng.randrange(96) for _ in range(rng.randint(1, 30))]
+    tree = random_tree(rng, 96)
+    cache = a8.new_cache(1, 128)
+    slot = cache.allocate()
+    prefill(a8, cache, slot, prefix)
+    packed = pack_trees([tree], [len(prefix)])
+    hidden = a8(packed.tokens, packed.positions, cache, torch.tensor([slot]), packed.mask)[0]
+    for node in range(tree.num_nodes):
+        path = [int(tree.tokens[i]) for i in tree.path_to(node)]
+        assert torch.equal(hidden[node], decode_after_prefill(a8, prefix, path)[-1]), node
+    a16 = native_twin(q4_model(32, seed=12), extension)
+    ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(2))
+    exact, coarse = prompt_logits(a16, ids), prompt_logits(a8, ids)
+    rel = (exact - coarse).norm() / exact.norm()
+    assert 0 < rel < 0.1, rel
+
+
+def linear_blocks(linear: Int4Linear) -> Q4Blocks:
+    """The 4-bit blocks back from an ``Int4Linear``'s native pack (``pack_q4`` inverted)."""
+    from tests.unit.test_q4_kernel import unpack
+
+    scales = linear.scales.float()  # [t, g, 2, 16]
+    t, g = scales.shape[:2]
+    scale = scales[:, :, 0].permute(0, 2, 1).reshape(t * 16, g)
+    minimum = scales[:, :, 1].permute(0, 2, 1).reshape(t * 16, g)
+    return Q4Blocks(unpack(linear.packed).to(torch.uint8), scale, minimum)

@@ -178,3 +178,30 @@ def test_a_head_restricted_to_rows_keeps_their_blocks() -> None:
     hot = torch.tensor([3, 60, 17, 5, 40, 41, 0, 9, 12, 33, 34, 35, 50, 51, 52, 63])
     x = torch.randn(3, 2 * GROUP, generator=torch.Generator().manual_seed(10))
     assert torch.equal(head.rows(hot)(x), head(x)[:, hot])  # rows are independent
+
+
+@pytest.mark.parametrize("define", [None, "LYANNA_BLOCKS_AVX2", "LYANNA_BLOCKS_PORTABLE"])
+def test_int8_rows_compute_their_reference_bit_for_bit(define) -> None:
+    """int8 rows (llama.cpp's activations, weights='q4a8'): every path gives the reference's
+    bits, a row alone equals the row in a batch, and the product stays near the file's."""
+    from lyanna.model.native import load_decoder_variant
+
+    ext = load_decoder() if define is None else load_decoder_variant(define)
+    assert ext is not None
+    gen = torch.Generator().manual_seed(13)
+    for shape in ((16, 32), (48, 256), (32, 1536)):
+        blocks = random_blocks(*shape, seed=shape[1] + 1)
+        packed, scales = pack_q4(blocks)
+        for rows in (1, 2, 7, 17):
+            x = torch.randn(rows, shape[1], generator=gen) * torch.rand(rows, 1, generator=gen) * 4
+            x[0, :GROUP] = 0.0  # an all-zero block (scale 0)
+            got = ext.block_linear(x, packed, scales, True)
+            assert torch.equal(got, block_matmul_reference(x, blocks, int8_rows=True))
+            assert torch.equal(ext.block_linear(x[-1:], packed, scales, True), got[-1:])
+    exact = x @ blocks.dequantize().T
+    coarse = (got - exact).norm() / exact.norm()
+    fine = (ext.block_linear(x, packed, scales) - exact).norm() / exact.norm()
+    assert fine < coarse < 2e-2, (fine, coarse)  # 7 bits per input against 15
+    with pytest.raises(RuntimeError, match="4-bit"):
+        q8_packed, q8_scales = pack_q8(random_q8(16, GROUP))
+        ext.block_linear(torch.randn(1, GROUP), q8_packed, q8_scales, True)

@@ -36,8 +36,11 @@
 #include <vector>
 
 // Three paths, one result (the same integers, the same float operations in the same order):
-// AVX-512 VNNI, AVX2 (what a Zen 3 has; LYANNA_BLOCKS_AVX2 forces it, for tests), portable.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
+// AVX-512 VNNI, AVX2 (what a Zen 3 has; LYANNA_BLOCKS_AVX2 forces it, for tests), portable
+// (LYANNA_BLOCKS_PORTABLE forces it).
+#if defined(LYANNA_BLOCKS_PORTABLE)
+// (tests: the portable loops on any CPU)
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
     !defined(LYANNA_BLOCKS_AVX2)
 #include <immintrin.h>
 #define LYANNA_BLOCKS_VNNI 1
@@ -53,8 +56,10 @@ constexpr int64_t kBlock = 32;   // inputs per block
 constexpr int64_t kChunks = 4;   // int32 vectors of codes per tile and block
 #ifdef LYANNA_BLOCKS_VNNI
 constexpr int64_t kRowTile = 8;  // rows sharing one pass over a tile's codes (4 and 12: same)
+constexpr int64_t kRowTile8 = 8;
 #else
 constexpr int64_t kRowTile = 4;  // (16 vector registers)
+constexpr int64_t kRowTile8 = 1;  // int8 rows: 1, 2, 3, 4 measured alike (1 a little faster)
 #endif
 constexpr float kQMax = 32767.f;
 
@@ -90,6 +95,47 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& o
   });
 }
 
+// Int8 rows (llama.cpp's Q8 activations, `int8_rows`): half the integer work of int16 rows
+// per product (u8 x s8 multiply-adds), at 7 bits per input instead of 15. Codes are stored in
+// the order the 4-bit lanes hold their nibbles, so one mask or shift turns a lane into four
+// codes that line up with four consecutive bytes of the row: for chunk c of a block, bytes
+// (x[8c], x[8c+4], x[8c+1], x[8c+5]) then (x[8c+2], x[8c+6], x[8c+3], x[8c+7]).
+constexpr float kQMax8 = 127.f;
+constexpr int kOrder8[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+
+struct QuantizedRows8 {
+  std::vector<int8_t> codes;  // [M, K], permuted per chunk as above
+  std::vector<float> scale;   // [M, K/32]
+  std::vector<float> sum;     // [M, K/32]
+};
+
+inline void quantize_rows8(const float* x, int64_t M, int64_t K, QuantizedRows8& out) {
+  const int64_t G = K / kBlock;
+  out.codes.resize(M * K);
+  out.scale.resize(M * G);
+  out.sum.resize(M * G);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* v = x + r * K + g * kBlock;
+      float top = 0.f;
+      for (int64_t k = 0; k < kBlock; ++k) top = std::max(top, std::fabs(v[k]));
+      const float inv = top > 0.f ? kQMax8 / top : 0.f;
+      int32_t total = 0;
+      int8_t* q = out.codes.data() + r * K + g * kBlock;
+      for (int64_t c = 0; c < kChunks; ++c)
+        for (int i = 0; i < 8; ++i) {
+          const float code =
+              std::min(std::max(std::nearbyint(v[8 * c + kOrder8[i]] * inv), -kQMax8), kQMax8);
+          q[8 * c + i] = static_cast<int8_t>(code);
+          total += q[8 * c + i];
+        }
+      out.scale[r * G + g] = top / kQMax8;
+      out.sum[r * G + g] = static_cast<float>(total);
+    }
+  });
+}
+
 // Bytes of codes per tile and block: 4-bit codes in 4 chunks of 16 int32 lanes; 8-bit codes
 // (GGUF Q8_0, the embedding and LM head) as 16 pairs of 16 lanes of two int8.
 template <int Bits>
@@ -113,6 +159,21 @@ inline void for_pairs(const uint8_t* block, F&& f) {
   }
 }
 
+// acc[r] += s[r, g] * (d * dot + m * sq[r, g]) for block g: the scales in float32.
+template <int R, class Rows>
+inline void add_block(__m512 (&acc)[R], const __m512i (&dots)[R], const c10::Half* scales,
+                      const Rows& xq, int64_t r0, int64_t G, int64_t g) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(scales + g * 2 * kTile)));
+  const __m512 m =
+      _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(scales + g * 2 * kTile + kTile)));
+  for (int r = 0; r < R; ++r) {
+    const int64_t i = (r0 + r) * G + g;
+    const __m512 t = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(dots[r])),
+                                   _mm512_mul_ps(m, _mm512_set1_ps(xq.sum[i])));
+    acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(t, _mm512_set1_ps(xq.scale[i])));
+  }
+}
+
 // Rows [r0, r0 + R) of one tile.
 template <int Bits, int R>
 inline void tile_rows(const uint8_t* codes, const c10::Half* scales, const QuantizedRows& xq,
@@ -131,15 +192,38 @@ inline void tile_rows(const uint8_t* codes, const c10::Half* scales, const Quant
         dots[r] = _mm512_dpwssd_epi32(dots[r], pair, _mm512_set1_epi32(xs));
       }
     });
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(scales + g * 2 * kTile)));
-    const __m512 m =
-        _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(scales + g * 2 * kTile + kTile)));
-    for (int r = 0; r < R; ++r) {
-      const int64_t i = (r0 + r) * G + g;
-      const __m512 t = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(dots[r])),
-                                     _mm512_mul_ps(m, _mm512_set1_ps(xq.sum[i])));
-      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(t, _mm512_set1_ps(xq.scale[i])));
+    add_block<R>(acc, dots, scales, xq, r0, G, g);
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * N + tile * kTile, acc[r]);
+}
+
+// Rows [r0, r0 + R) of one tile of 4-bit codes with int8 rows: vpdpbusd multiplies the four
+// u8 codes of a lane with four s8 inputs (64 multiply-adds where vpdpwssd does 32).
+template <int R>
+inline void tile_rows8(const uint8_t* codes, const c10::Half* scales, const QuantizedRows8& xq,
+                       int64_t r0, int64_t K, float* y, int64_t N, int64_t tile) {
+  const int64_t G = K / kBlock;
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i dots[R];
+    for (int r = 0; r < R; ++r) dots[r] = _mm512_setzero_si512();
+    const uint8_t* block = codes + g * kBlockBytes<4>;
+    for (int c = 0; c < kChunks; ++c) {
+      const __m512i packed = _mm512_loadu_si512(block + c * kTile * 4);
+      const __m512i lo = _mm512_and_si512(packed, mask);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = xq.codes.data() + (r0 + r) * K + g * kBlock + 8 * c;
+        int32_t a, b;
+        std::memcpy(&a, xr, sizeof a);
+        std::memcpy(&b, xr + 4, sizeof b);
+        dots[r] = _mm512_dpbusd_epi32(dots[r], lo, _mm512_set1_epi32(a));
+        dots[r] = _mm512_dpbusd_epi32(dots[r], hi, _mm512_set1_epi32(b));
+      }
     }
+    add_block<R>(acc, dots, scales, xq, r0, G, g);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * N + tile * kTile, acc[r]);
 }
@@ -168,6 +252,23 @@ inline void for_pairs(const uint8_t* block, F&& f) {
   }
 }
 
+// acc[r] += s[r, g] * (d * dot + m * sq[r, g]) for block g, per half of the tile.
+template <int R, class Rows>
+inline void add_block(__m256 (&acc)[R][2], const __m256i (&dots)[R][2], const c10::Half* scales,
+                      const Rows& xq, int64_t r0, int64_t G, int64_t g) {
+  for (int h = 0; h < 2; ++h) {
+    const c10::Half* sc = scales + g * 2 * kTile + h * 8;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)sc));
+    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + kTile)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (r0 + r) * G + g;
+      const __m256 t = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(dots[r][h])),
+                                     _mm256_mul_ps(m, _mm256_set1_ps(xq.sum[i])));
+      acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(t, _mm256_set1_ps(xq.scale[i])));
+    }
+  }
+}
+
 template <int Bits, int R>
 inline void tile_rows(const uint8_t* codes, const c10::Half* scales, const QuantizedRows& xq,
                       int64_t r0, int64_t K, float* y, int64_t N, int64_t tile) {
@@ -187,17 +288,47 @@ inline void tile_rows(const uint8_t* codes, const c10::Half* scales, const Quant
         dots[r][1] = _mm256_add_epi32(dots[r][1], _mm256_madd_epi16(b, x));
       }
     });
-    for (int h = 0; h < 2; ++h) {
-      const c10::Half* sc = scales + g * 2 * kTile + h * 8;
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)sc));
-      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + kTile)));
+    add_block<R>(acc, dots, scales, xq, r0, G, g);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (r0 + r) * N + tile * kTile + h * 8, acc[r][h]);
+}
+
+// Int8 rows: vpmaddubsw multiplies u8 codes with s8 inputs in pairs (int16 sums of at most
+// 2 * 15 * 127; eight of them per block stay below 2^15), one vpmaddwd per block widens.
+template <int R>
+inline void tile_rows8(const uint8_t* codes, const c10::Half* scales, const QuantizedRows8& xq,
+                       int64_t r0, int64_t K, float* y, int64_t N, int64_t tile) {
+  const int64_t G = K / kBlock;
+  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i sums[R][2];
+    for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+    const uint8_t* block = codes + g * kBlockBytes<4>;
+    for (int c = 0; c < kChunks; ++c) {
+      __m256i lo[2], hi[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m256i packed = _mm256_loadu_si256((const __m256i*)(block + c * kTile * 4 + h * 32));
+        lo[h] = _mm256_and_si256(packed, mask);
+        hi[h] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+      }
       for (int r = 0; r < R; ++r) {
-        const int64_t i = (r0 + r) * G + g;
-        const __m256 t = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(dots[r][h])),
-                                       _mm256_mul_ps(m, _mm256_set1_ps(xq.sum[i])));
-        acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(t, _mm256_set1_ps(xq.scale[i])));
+        const int8_t* xr = xq.codes.data() + (r0 + r) * K + g * kBlock + 8 * c;
+        int32_t a, b;
+        std::memcpy(&a, xr, sizeof a);
+        std::memcpy(&b, xr + 4, sizeof b);
+        const __m256i xa = _mm256_set1_epi32(a), xb = _mm256_set1_epi32(b);
+        for (int h = 0; h < 2; ++h)
+          sums[r][h] = _mm256_add_epi16(sums[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xa),
+                                                                     _mm256_maddubs_epi16(hi[h], xb)));
       }
     }
+    __m256i dots[R][2];
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) dots[r][h] = _mm256_madd_epi16(sums[r][h], ones);
+    add_block<R>(acc, dots, scales, xq, r0, G, g);
   }
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (r0 + r) * N + tile * kTile + h * 8, acc[r][h]);
@@ -228,6 +359,23 @@ inline void for_pairs(const uint8_t* block, F&& f) {
   }
 }
 
+template <int R, class Rows>
+inline void add_block(v16f (&acc)[R], const v16i32 (&dots)[R], const c10::Half* scales,
+                      const Rows& xq, int64_t r0, int64_t G, int64_t g) {
+  v16f d, m;
+  for (int j = 0; j < kTile; ++j) {
+    d[j] = static_cast<float>(scales[g * 2 * kTile + j]);
+    m[j] = static_cast<float>(scales[g * 2 * kTile + kTile + j]);
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t i = (r0 + r) * G + g;
+    v16f dot;
+    for (int j = 0; j < kTile; ++j) dot[j] = static_cast<float>(dots[r][j]);
+    const v16f t = d * dot + m * xq.sum[i];
+    acc[r] += t * xq.scale[i];
+  }
+}
+
 template <int Bits, int R>
 inline void tile_rows(const uint8_t* codes, const c10::Half* scales, const QuantizedRows& xq,
                       int64_t r0, int64_t K, float* y, int64_t N, int64_t tile) {
@@ -243,18 +391,33 @@ inline void tile_rows(const uint8_t* codes, const c10::Half* scales, const Quant
         dots[r] += lo * static_cast<int32_t>(xr[0]) + hi * static_cast<int32_t>(xr[1]);
       }
     });
-    v16f d, m;
-    for (int j = 0; j < kTile; ++j) {
-      d[j] = static_cast<float>(scales[g * 2 * kTile + j]);
-      m[j] = static_cast<float>(scales[g * 2 * kTile + kTile + j]);
-    }
-    for (int r = 0; r < R; ++r) {
-      const int64_t i = (r0 + r) * G + g;
-      v16f dot;
-      for (int j = 0; j < kTile; ++j) dot[j] = static_cast<float>(dots[r][j]);
-      const v16f t = d * dot + m * xq.sum[i];
-      acc[r] += t * xq.scale[i];
-    }
+    add_block<R>(acc, dots, scales, xq, r0, G, g);
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(y + (r0 + r) * N + tile * kTile, &acc[r], sizeof acc[r]);
+}
+
+template <int R>
+inline void tile_rows8(const uint8_t* codes, const c10::Half* scales, const QuantizedRows8& xq,
+                       int64_t r0, int64_t K, float* y, int64_t N, int64_t tile) {
+  const int64_t G = K / kBlock;
+  v16f acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = v16f{0};
+  for (int64_t g = 0; g < G; ++g) {
+    v16i32 dots[R];
+    for (int r = 0; r < R; ++r) dots[r] = v16i32{0};
+    const uint8_t* block = codes + g * kBlockBytes<4>;
+    for (int c = 0; c < kChunks; ++c)
+      for (int j = 0; j < kTile; ++j) {
+        uint32_t lane;
+        std::memcpy(&lane, block + (c * kTile + j) * 4, sizeof lane);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = xq.codes.data() + (r0 + r) * K + g * kBlock + 8 * c;
+          for (int b = 0; b < 4; ++b)
+            dots[r][j] += static_cast<int32_t>((lane >> (8 * b)) & 0xF) * xr[b] +
+                          static_cast<int32_t>((lane >> (8 * b + 4)) & 0xF) * xr[4 + b];
+        }
+      }
+    add_block<R>(acc, dots, scales, xq, r0, G, g);
   }
   for (int r = 0; r < R; ++r) std::memcpy(y + (r0 + r) * N + tile * kTile, &acc[r], sizeof acc[r]);
 }
@@ -270,14 +433,35 @@ inline void rows_step(const uint8_t* codes, const c10::Half* scales, const Quant
   tile_rows<Bits, R>(codes, scales, xq, r0, K, y, N, tile);
 }
 
+template <int R>
+inline void rows_step8(const uint8_t* codes, const c10::Half* scales, const QuantizedRows8& xq,
+                       int64_t r0, int64_t rows, int64_t K, float* y, int64_t N, int64_t tile) {
+  if constexpr (R > 1) {
+    if (rows < R) return rows_step8<R - 1>(codes, scales, xq, r0, rows, K, y, N, tile);
+  }
+  tile_rows8<R>(codes, scales, xq, r0, K, y, N, tile);
+}
+
 // x [M, K] float32 times a packed weight (kBlockBytes<Bits> per tile and block) with scales
-// [N/16, K/32, 2, 16] fp16 -> y [M, N].
+// [N/16, K/32, 2, 16] fp16 -> y [M, N]. int8_rows (4-bit weights only): the rows as int8
+// (QuantizedRows8) instead of int16.
 template <int Bits>
 inline void matmul(const float* x, int64_t M, int64_t K, const uint8_t* packed,
-                   const c10::Half* scales, int64_t N, float* y) {
+                   const c10::Half* scales, int64_t N, float* y, bool int8_rows = false) {
+  const int64_t G = K / kBlock, tiles = N / kTile;
+  if (Bits == 4 && int8_rows) {
+    QuantizedRows8 xq;
+    quantize_rows8(x, M, K, xq);
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t r0 = 0; r0 < M; r0 += kRowTile8)
+          rows_step8<kRowTile8>(packed + t * G * kBlockBytes<4>, scales + t * G * 2 * kTile, xq,
+                                r0, std::min(kRowTile8, M - r0), K, y, N, t);
+    });
+    return;
+  }
   QuantizedRows xq;
   quantize_rows(x, M, K, xq);
-  const int64_t G = K / kBlock, tiles = N / kTile;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* codes = packed + t * G * kBlockBytes<Bits>;

@@ -67,7 +67,7 @@ bool is_block_weight(const at::Tensor& w) {
 }
 
 void block_product(const float* x, int64_t M, int64_t K, const at::Tensor& packed,
-                   const at::Tensor& scales, float* y) {
+                   const at::Tensor& scales, float* y, bool int8_rows) {
   const bool q8 = packed.scalar_type() == at::kChar;
   TORCH_CHECK(packed.is_contiguous() && packed.dim() == (q8 ? 5 : 4) &&
                   packed.size(2) == (q8 ? blocks::kBlock / 2 : blocks::kChunks) &&
@@ -85,17 +85,18 @@ void block_product(const float* x, int64_t M, int64_t K, const at::Tensor& packe
   if (q8)
     blocks::matmul<8>(x, M, K, codes, s, N, y);
   else
-    blocks::matmul<4>(x, M, K, codes, s, N, y);
+    blocks::matmul<4>(x, M, K, codes, s, N, y, int8_rows);
 }
 
 // One projection: y [M, N] = x [M, K] W^T. lin points at two tensors: torch's int4 pack and its
 // scales-and-zeros (inputs rounded to bf16, the kernel's fast path), or a oneDNN-prepacked
 // dense weight and an empty tensor (inputs in the weight's dtype).
-void product(const at::Tensor* lin, const float* x, int64_t M, int64_t K, std::vector<float>& y) {
+void product(const at::Tensor* lin, const float* x, int64_t M, int64_t K, std::vector<float>& y,
+             bool int8_rows) {
   if (is_block_weight(lin[0])) {  // block_matmul.h's layouts
     const int64_t N = lin[0].size(0) * blocks::kTile;
     y.resize(M * N);
-    block_product(x, M, K, lin[0], lin[1], y.data());
+    block_product(x, M, K, lin[0], lin[1], y.data(), int8_rows);
     return;
   }
   const bool int4 = lin[1].numel() > 0;
@@ -282,11 +283,13 @@ constexpr int64_t kPerLayer = 10;  // 2 norm weights + 4 projections x 2 tensors
 // lengths [B], mask [B, q, width] bool, write_rows [B, q]: see ``Rows``; cos/sin [B*q, hd].
 // prompt: the rows are a fresh prompt's prefill (one sequence, nothing cached, causal mask,
 // written to rows 0..q-1): its attention may run as ``prompt_attention``.
+// int8_rows: the 4-bit products quantize their inputs to int8 (block_matmul.h, llama.cpp's
+// activations) instead of int16.
 at::Tensor decoder_layers(at::Tensor x, const std::vector<at::Tensor>& layers, at::Tensor keys,
                           at::Tensor values, at::Tensor slots, at::Tensor lengths,
                           at::Tensor mask, at::Tensor write_rows, at::Tensor cos,
                           at::Tensor sin, int64_t num_heads, int64_t num_kv_heads, double eps,
-                          bool prompt) {
+                          bool prompt, bool int8_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [rows, hidden] tensor");
   TORCH_CHECK(keys.dim() == 5 && keys.scalar_type() == at::kFloat && keys.is_contiguous() &&
@@ -344,7 +347,7 @@ at::Tensor decoder_layers(at::Tensor x, const std::vector<at::Tensor>& layers, a
     float* kc = keys.data_ptr<float>() + l * layer_numel;
     float* vc = values.data_ptr<float>() + l * layer_numel;
     rms_norm(xs, w[0].data_ptr<float>(), h.data(), n, d, eps);
-    product(w + 1, h.data(), n, d, qkv);
+    product(w + 1, h.data(), n, d, qkv, int8_rows);
     TORCH_CHECK(static_cast<int64_t>(qkv.size()) == n * (s.nh + 2 * s.nkv) * s.hd,
                 "the q/k/v projection does not match the head counts");
     rope_and_store(qkv.data(), s, rows, queries.data(), kc, vc);
@@ -352,29 +355,33 @@ at::Tensor decoder_layers(at::Tensor x, const std::vector<at::Tensor>& layers, a
       prompt_attention(queries.data(), kc, vc, s, rows.slots[0], attn.data());
     else
       attend(queries.data(), kc, vc, s, rows, attn.data());
-    product(w + 3, attn.data(), n, inner, out);
+    product(w + 3, attn.data(), n, inner, out, int8_rows);
     add(xs, out);
     rms_norm(xs, w[5].data_ptr<float>(), h.data(), n, d, eps);
-    product(w + 6, h.data(), n, d, gu);
+    product(w + 6, h.data(), n, d, gu, int8_rows);
     const int64_t inter = static_cast<int64_t>(gu.size()) / (2 * n);
     swiglu(gu, act, n, inter);
-    product(w + 8, act.data(), n, inter, out);
+    product(w + 8, act.data(), n, inter, out, int8_rows);
     add(xs, out);
   }
   return x;
 }
 
 // x [M, K] float32 times a weight packed by lyanna.model.quant.pack_q4 or pack_q8.
-at::Tensor block_linear(at::Tensor x, at::Tensor packed, at::Tensor scales) {
+at::Tensor block_linear(at::Tensor x, at::Tensor packed, at::Tensor scales, bool int8_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [rows, in] tensor");
   TORCH_CHECK(is_block_weight(packed), "packed must be int32 (4-bit) or int8 (8-bit) codes");
   at::Tensor y = at::empty({x.size(0), packed.size(0) * blocks::kTile}, x.options());
-  block_product(x.data_ptr<float>(), x.size(0), x.size(1), packed, scales, y.data_ptr<float>());
+  TORCH_CHECK(!int8_rows || packed.scalar_type() == at::kInt, "int8 rows take 4-bit weights only");
+  block_product(x.data_ptr<float>(), x.size(0), x.size(1), packed, scales, y.data_ptr<float>(),
+                int8_rows);
   return y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layers", &decoder_layers, "Llama-family decoder layers (CPU)");
-  m.def("block_linear", &block_linear, "x W^T for a 4- or 8-bit weight in block_matmul.h's layouts");
+  m.def("block_linear", &block_linear, "x W^T for a 4- or 8-bit weight in block_matmul.h's layouts",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scales"),
+        pybind11::arg("int8_rows") = false);
 }

@@ -7,6 +7,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace vec {
 
 constexpr int64_t kLanes = 16;  // partial sums kept in this many lanes (one AVX-512 register)
@@ -66,14 +70,19 @@ inline float fast_exp(float x) {
 // accumulators in registers: the same operations in the same order as ``dot`` and the generic
 // loop below (so the same bits), without a round trip through memory per key.
 template <int C>
-void fixed_scores(const float* query, const float* keys, const int64_t* cols, int64_t count,
-                  float scale, float* scores) {
+inline v16 key_products(const v16 (&q)[C], const float* key) {
+  v16 acc = {0};
+  for (int c = 0; c < C; ++c) acc += q[c] * load16(key + c * kLanes);
+  return acc;
+}
+
+template <int C>
+void fixed_scores_generic(const float* query, const float* keys, const int64_t* cols,
+                          int64_t count, float scale, float* scores) {
   v16 q[C];
   for (int c = 0; c < C; ++c) q[c] = load16(query + c * kLanes);
   for (int64_t k = 0; k < count; ++k) {
-    const float* key = keys + cols[k] * C * kLanes;
-    v16 acc = {0};
-    for (int c = 0; c < C; ++c) acc += q[c] * load16(key + c * kLanes);
+    v16 acc = key_products<C>(q, keys + cols[k] * C * kLanes);
     acc += __builtin_shuffle(acc, v16i{8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15});
     acc += __builtin_shuffle(acc, v16i{4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7});
     acc += __builtin_shuffle(acc, v16i{2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3});
@@ -81,6 +90,52 @@ void fixed_scores(const float* query, const float* keys, const int64_t* cols, in
     scores[k] = acc[0] * scale;
   }
 }
+
+#if defined(__AVX2__) && !defined(LYANNA_GENERIC_SCORES)
+// Eight keys at a time: each key's 16 partial sums as above, then the same pairwise tree
+// (lanes i + 8, i + 4, i + 2, i + 1) for the eight keys together in three shuffle steps, where
+// the generic loop spent four cross-register shuffles per key (which GCC lowers through the
+// stack on AVX2). Float addition commutes exactly, so the bits are the generic loop's.
+template <int C>
+void fixed_scores(const float* query, const float* keys, const int64_t* cols, int64_t count,
+                  float scale, float* scores) {
+  v16 q[C];
+  for (int c = 0; c < C; ++c) q[c] = load16(query + c * kLanes);
+  const __m256 factor = _mm256_set1_ps(scale);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  int64_t k = 0;
+  for (; k + 8 <= count; k += 8) {
+    __m256 half[8];  // key j: lanes i + (i + 8)
+    for (int j = 0; j < 8; ++j) {
+      const v16 acc = key_products<C>(q, keys + cols[k + j] * C * kLanes);
+      __m256 lo, hi;
+      std::memcpy(&lo, &acc, sizeof lo);
+      std::memcpy(&hi, reinterpret_cast<const char*>(&acc) + sizeof lo, sizeof hi);
+      half[j] = _mm256_add_ps(lo, hi);
+    }
+    __m256 quarter[4];  // keys 2p | 2p + 1: lanes i + (i + 4), four each
+    for (int p = 0; p < 4; ++p)
+      quarter[p] = _mm256_add_ps(_mm256_permute2f128_ps(half[2 * p], half[2 * p + 1], 0x20),
+                                 _mm256_permute2f128_ps(half[2 * p], half[2 * p + 1], 0x31));
+    __m256 eighth[2];  // keys (4h, 4h + 2 | 4h + 1, 4h + 3): lanes i + (i + 2), two each
+    for (int h = 0; h < 2; ++h)
+      eighth[h] = _mm256_add_ps(
+          _mm256_shuffle_ps(quarter[2 * h], quarter[2 * h + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+          _mm256_shuffle_ps(quarter[2 * h], quarter[2 * h + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 sums = _mm256_add_ps(  // keys (0, 2, 4, 6 | 1, 3, 5, 7)
+        _mm256_shuffle_ps(eighth[0], eighth[1], _MM_SHUFFLE(2, 0, 2, 0)),
+        _mm256_shuffle_ps(eighth[0], eighth[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    _mm256_storeu_ps(scores + k, _mm256_permutevar8x32_ps(_mm256_mul_ps(sums, factor), order));
+  }
+  if (k < count) fixed_scores_generic<C>(query, keys, cols + k, count - k, scale, scores + k);
+}
+#else
+template <int C>
+void fixed_scores(const float* query, const float* keys, const int64_t* cols, int64_t count,
+                  float scale, float* scores) {
+  fixed_scores_generic<C>(query, keys, cols, count, scale, scores);
+}
+#endif
 
 template <int C>
 void fixed_values(const float* values, const int64_t* cols, const float* weights, int64_t count,
