@@ -264,13 +264,14 @@ def test_a_resumed_sequence_gets_back_the_kv_decoding_gave_it(extension) -> None
 
 
 @pytest.mark.parametrize("head_dim", [32, 64])
-def test_batched_attention_scores_keep_the_generic_bits(head_dim: int, extension) -> None:
-    """Attention scores run eight keys at a time where the CPU has AVX2; the build with the
-    one-key-at-a-time loop (``LYANNA_GENERIC_SCORES``) must give the same hidden states, bit
-    for bit, over contexts that are and are not multiples of eight keys."""
+def test_avx2_attention_keeps_the_generic_bits(head_dim: int, extension) -> None:
+    """Attention's loops run on 8-lane registers where the CPU has AVX2 (scores eight keys at a
+    time); the build with the generic 16-lane loops (``LYANNA_GENERIC_ATTENTION``) must give
+    the same hidden states, bit for bit, over contexts that are and are not multiples of eight
+    keys."""
     from lyanna.model.native import load_decoder_variant
 
-    generic_ext = load_decoder_variant("LYANNA_GENERIC_SCORES")
+    generic_ext = load_decoder_variant("LYANNA_GENERIC_ATTENTION")
     assert generic_ext is not None
     model = q4_model(head_dim, seed=11)
     fast, generic = native_twin(model, extension), native_twin(model, generic_ext)

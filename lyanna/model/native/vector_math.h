@@ -91,26 +91,30 @@ void fixed_scores_generic(const float* query, const float* keys, const int64_t* 
   }
 }
 
-#if defined(__AVX2__) && !defined(LYANNA_GENERIC_SCORES)
-// Eight keys at a time: each key's 16 partial sums as above, then the same pairwise tree
-// (lanes i + 8, i + 4, i + 2, i + 1) for the eight keys together in three shuffle steps, where
-// the generic loop spent four cross-register shuffles per key (which GCC lowers through the
-// stack on AVX2). Float addition commutes exactly, so the bits are the generic loop's.
+#if defined(__AVX2__) && !defined(LYANNA_GENERIC_ATTENTION)
+// AVX2: GCC lowers the 16-lane vector type through the stack there (xmm stores read back as
+// ymm: a store-forwarding stall per operation, which made attention a third of a decode
+// step), so attention's loops are written with 8-lane registers: the same operations in the
+// same order, hence the generic loops' bits. Scores take eight keys at a time: each key's 16
+// partial sums, then the same pairwise tree (lanes i + 8, i + 4, i + 2, i + 1) for the eight
+// keys together in three shuffle steps (float addition commutes exactly).
 template <int C>
 void fixed_scores(const float* query, const float* keys, const int64_t* cols, int64_t count,
                   float scale, float* scores) {
-  v16 q[C];
-  for (int c = 0; c < C; ++c) q[c] = load16(query + c * kLanes);
+  __m256 q[2 * C];  // the query as 16-lane chunks, each two registers
+  for (int c = 0; c < 2 * C; ++c) q[c] = _mm256_loadu_ps(query + 8 * c);
   const __m256 factor = _mm256_set1_ps(scale);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   int64_t k = 0;
   for (; k + 8 <= count; k += 8) {
-    __m256 half[8];  // key j: lanes i + (i + 8)
+    __m256 half[8];  // key j: lanes i + (i + 8) of its 16 partial sums
     for (int j = 0; j < 8; ++j) {
-      const v16 acc = key_products<C>(q, keys + cols[k + j] * C * kLanes);
-      __m256 lo, hi;
-      std::memcpy(&lo, &acc, sizeof lo);
-      std::memcpy(&hi, reinterpret_cast<const char*>(&acc) + sizeof lo, sizeof hi);
+      const float* key = keys + cols[k + j] * C * kLanes;
+      __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+      for (int c = 0; c < C; ++c) {
+        lo = _mm256_add_ps(lo, _mm256_mul_ps(q[2 * c], _mm256_loadu_ps(key + 16 * c)));
+        hi = _mm256_add_ps(hi, _mm256_mul_ps(q[2 * c + 1], _mm256_loadu_ps(key + 16 * c + 8)));
+      }
       half[j] = _mm256_add_ps(lo, hi);
     }
     __m256 quarter[4];  // keys 2p | 2p + 1: lanes i + (i + 4), four each
@@ -137,6 +141,22 @@ void fixed_scores(const float* query, const float* keys, const int64_t* cols, in
 }
 #endif
 
+#if defined(__AVX2__) && !defined(LYANNA_GENERIC_ATTENTION)
+template <int C>
+void fixed_values(const float* values, const int64_t* cols, const float* weights, int64_t count,
+                  float inv, float* dst) {
+  __m256 acc[2 * C];
+  for (int c = 0; c < 2 * C; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < count; ++k) {
+    const __m256 p = _mm256_set1_ps(weights[k]);
+    const float* v = values + cols[k] * C * kLanes;
+    for (int c = 0; c < 2 * C; ++c)
+      acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(p, _mm256_loadu_ps(v + 8 * c)));
+  }
+  const __m256 scale = _mm256_set1_ps(inv);
+  for (int c = 0; c < 2 * C; ++c) _mm256_storeu_ps(dst + 8 * c, _mm256_mul_ps(acc[c], scale));
+}
+#else
 template <int C>
 void fixed_values(const float* values, const int64_t* cols, const float* weights, int64_t count,
                   float inv, float* dst) {
@@ -150,6 +170,7 @@ void fixed_values(const float* values, const int64_t* cols, const float* weights
   for (int c = 0; c < C; ++c)
     for (int64_t i = 0; i < kLanes; ++i) dst[c * kLanes + i] = acc[c][i] * inv;
 }
+#endif
 
 
 }  // namespace vec
