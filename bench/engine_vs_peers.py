@@ -1,4 +1,4 @@
-"""This engine (fp32 and q4 weights) beside what a user would pick instead: transformers
+"""This engine (fp32, q4 and q4a8 weights) beside what a user would pick instead: transformers
 ``generate`` and llama.cpp (optional extra ``peers``: ``pip install -e .[peers]``), on the same
 Spec-Bench prompts, the same greedy tokens budget and the same thread count, in one run.
 
@@ -211,7 +211,7 @@ def main() -> None:
     rate = bandwidth()
     rows, costs, floors, long_rows = [], {}, [], []
     long_ids = long_prompt_ids(tokenizer, args.long_prompt) if args.long_prompt else []
-    for weights in ("fp32", "q4"):
+    for weights in ("fp32", "q4", "q4a8"):
         model = load_model(model_dir, weights=weights)
         label = f"{weights}, native decoder" if model.native is not None else weights
         rows.append(lean(model, prompts, args.max_tokens, eos).row(f"lyanna AR ({label})"))
