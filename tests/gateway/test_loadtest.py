@@ -51,3 +51,27 @@ def test_cli_writes_json_and_a_plot(gateway, tmp_path) -> None:
     assert [r["request_rate"] for r in reports] == [20.0, float("inf")]
     assert all(r["completed"] == 3 for r in reports)
     assert png.stat().st_size > 1000
+
+
+def test_fault_and_soak_runs_refuse_bad_arguments_before_starting_anything(capsys) -> None:
+    """The scripted runs start three processes and load a model: a typo in a fault name or an
+    unbounded soak must be refused first, with a message naming what is allowed."""
+    from loadtests import faults, soak
+
+    with pytest.raises(SystemExit) as exit_info:
+        faults.main(["--faults", "drafter-kill,verifier-explode"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "verifier-explode" in err and "drafter-restart" in err
+    for argv in (["--minutes", "0"], ["--minutes", "2000"], ["--cancel", "1.5"]):
+        with pytest.raises(SystemExit) as exit_info:
+            soak.main(argv)
+        assert exit_info.value.code == 2, argv
+
+
+def test_soak_growth_compares_the_last_quarter_with_the_first() -> None:
+    from loadtests.soak import SoakTally
+
+    tally = SoakTally(rss_mb={"flat": [100.0] * 8, "leak": [100.0 + 10 * i for i in range(8)]})
+    assert tally.growth("flat") == 1.0
+    assert tally.growth("leak") == pytest.approx(165.0 / 105.0)
