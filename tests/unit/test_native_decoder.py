@@ -105,8 +105,12 @@ def test_native_computes_the_eager_q4_model(head_dim: int, extension) -> None:
 
 @pytest.mark.parametrize("seed", range(3))
 def test_native_tree_rows_equal_decoding_bitwise(seed: int, extension) -> None:
-    model = native_twin(q4_model(32, seed), extension)
-    rng = random.Random(seed)
+    assert_tree_rows_equal_decoding(native_twin(q4_model(32, seed), extension), random.Random(seed))
+
+
+def assert_tree_rows_equal_decoding(model: Transformer, rng: random.Random) -> None:
+    """A random tree after a random prefix: each node's hidden state is bitwise what decoding
+    its path one token at a time gives."""
     prefix = [rng.randrange(96) for _ in range(rng.randint(1, 40))]
     tree = random_tree(rng, 96)
     cache = model.new_cache(1, 128)
@@ -304,17 +308,7 @@ def test_int8_rows_run_the_whole_decoder_batch_invariantly(extension) -> None:
             setattr(layer.feed_forward, name, Int4Linear(linear_blocks(linear), int8_rows=True))
     a8 = native_twin(model, extension)
     assert a8._native_int8_rows
-    rng = random.Random(12)
-    prefix = [rng.randrange(96) for _ in range(rng.randint(1, 30))]
-    tree = random_tree(rng, 96)
-    cache = a8.new_cache(1, 128)
-    slot = cache.allocate()
-    prefill(a8, cache, slot, prefix)
-    packed = pack_trees([tree], [len(prefix)])
-    hidden = a8(packed.tokens, packed.positions, cache, torch.tensor([slot]), packed.mask)[0]
-    for node in range(tree.num_nodes):
-        path = [int(tree.tokens[i]) for i in tree.path_to(node)]
-        assert torch.equal(hidden[node], decode_after_prefill(a8, prefix, path)[-1]), node
+    assert_tree_rows_equal_decoding(a8, random.Random(12))
     a16 = native_twin(q4_model(32, seed=12), extension)
     ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(2))
     exact, coarse = prompt_logits(a16, ids), prompt_logits(a8, ids)

@@ -63,14 +63,28 @@ constexpr int64_t kRowTile8 = 1;  // int8 rows: 1, 2, 3, 4 measured alike (1 a l
 #endif
 constexpr float kQMax = 32767.f;
 
-// Each row's int16 codes per block with their scale and (exact) sum.
-struct QuantizedRows {
-  std::vector<int16_t> codes;  // [M, K]
-  std::vector<float> scale;    // [M, K/32]
-  std::vector<float> sum;      // [M, K/32]
-};
+// Int8 rows (llama.cpp's Q8 activations, `int8_rows`): half the integer work of int16 rows
+// per product (u8 x s8 multiply-adds), at 7 bits per input instead of 15. Their codes are
+// stored in the order the 4-bit lanes hold their nibbles, so one mask or shift turns a lane
+// into four codes that line up with four consecutive bytes of the row: for chunk c of a
+// block, bytes (x[8c], x[8c+4], x[8c+1], x[8c+5]) then (x[8c+2], x[8c+6], x[8c+3], x[8c+7]).
+constexpr float kQMax8 = 127.f;
+constexpr int kOrder8[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 
-inline void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& out) {
+// Each row's int16 (or int8) codes per block with their scale and (exact) sum.
+template <class Code>
+struct Quantized {
+  std::vector<Code> codes;   // [M, K] (int8: permuted per chunk as above)
+  std::vector<float> scale;  // [M, K/32]
+  std::vector<float> sum;    // [M, K/32]
+};
+using QuantizedRows = Quantized<int16_t>;
+using QuantizedRows8 = Quantized<int8_t>;
+
+template <class Code>
+inline void quantize_rows(const float* x, int64_t M, int64_t K, Quantized<Code>& out) {
+  constexpr bool int8 = sizeof(Code) == 1;
+  const float qmax = int8 ? kQMax8 : kQMax;
   const int64_t G = K / kBlock;
   out.codes.resize(M * K);
   out.scale.resize(M * G);
@@ -81,56 +95,16 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& o
       const float* v = x + r * K + g * kBlock;
       float top = 0.f;
       for (int64_t k = 0; k < kBlock; ++k) top = std::max(top, std::fabs(v[k]));
-      const float inv = top > 0.f ? kQMax / top : 0.f;
+      const float inv = top > 0.f ? qmax / top : 0.f;
       int32_t total = 0;
-      int16_t* q = out.codes.data() + r * K + g * kBlock;
+      Code* q = out.codes.data() + r * K + g * kBlock;
       for (int64_t k = 0; k < kBlock; ++k) {
-        const float c = std::min(std::max(std::nearbyint(v[k] * inv), -kQMax), kQMax);
-        q[k] = static_cast<int16_t>(c);
+        const int64_t source = int8 ? 8 * (k / 8) + kOrder8[k % 8] : k;
+        const float c = std::min(std::max(std::nearbyint(v[source] * inv), -qmax), qmax);
+        q[k] = static_cast<Code>(c);
         total += q[k];
       }
-      out.scale[r * G + g] = top / kQMax;
-      out.sum[r * G + g] = static_cast<float>(total);
-    }
-  });
-}
-
-// Int8 rows (llama.cpp's Q8 activations, `int8_rows`): half the integer work of int16 rows
-// per product (u8 x s8 multiply-adds), at 7 bits per input instead of 15. Codes are stored in
-// the order the 4-bit lanes hold their nibbles, so one mask or shift turns a lane into four
-// codes that line up with four consecutive bytes of the row: for chunk c of a block, bytes
-// (x[8c], x[8c+4], x[8c+1], x[8c+5]) then (x[8c+2], x[8c+6], x[8c+3], x[8c+7]).
-constexpr float kQMax8 = 127.f;
-constexpr int kOrder8[8] = {0, 4, 1, 5, 2, 6, 3, 7};
-
-struct QuantizedRows8 {
-  std::vector<int8_t> codes;  // [M, K], permuted per chunk as above
-  std::vector<float> scale;   // [M, K/32]
-  std::vector<float> sum;     // [M, K/32]
-};
-
-inline void quantize_rows8(const float* x, int64_t M, int64_t K, QuantizedRows8& out) {
-  const int64_t G = K / kBlock;
-  out.codes.resize(M * K);
-  out.scale.resize(M * G);
-  out.sum.resize(M * G);
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-  for (int64_t r = begin; r < end; ++r)
-    for (int64_t g = 0; g < G; ++g) {
-      const float* v = x + r * K + g * kBlock;
-      float top = 0.f;
-      for (int64_t k = 0; k < kBlock; ++k) top = std::max(top, std::fabs(v[k]));
-      const float inv = top > 0.f ? kQMax8 / top : 0.f;
-      int32_t total = 0;
-      int8_t* q = out.codes.data() + r * K + g * kBlock;
-      for (int64_t c = 0; c < kChunks; ++c)
-        for (int i = 0; i < 8; ++i) {
-          const float code =
-              std::min(std::max(std::nearbyint(v[8 * c + kOrder8[i]] * inv), -kQMax8), kQMax8);
-          q[8 * c + i] = static_cast<int8_t>(code);
-          total += q[8 * c + i];
-        }
-      out.scale[r * G + g] = top / kQMax8;
+      out.scale[r * G + g] = top / qmax;
       out.sum[r * G + g] = static_cast<float>(total);
     }
   });
@@ -451,7 +425,7 @@ inline void matmul(const float* x, int64_t M, int64_t K, const uint8_t* packed,
   const int64_t G = K / kBlock, tiles = N / kTile;
   if (Bits == 4 && int8_rows) {
     QuantizedRows8 xq;
-    quantize_rows8(x, M, K, xq);
+    quantize_rows(x, M, K, xq);
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t)
         for (int64_t r0 = 0; r0 < M; r0 += kRowTile8)
