@@ -175,7 +175,7 @@ def verify_cost(model: Transformer) -> VerifyCost:
     weights = "dense"
     if runs_q4(model):  # the native decoder's cost curve is its own build's
         weights = f"q4-native-{build_key()}" if model.native is not None else "q4"
-        weights += "-a8" if getattr(model, "_native_int8_rows", False) else ""
+        weights += "-a8" if model._native_int8_rows else ""
     device = model.embed_tokens.weight.device
     kind = f"verify_cost2|{weights}|{model.dtype}|{device.type}"  # 2: paired timings
 

@@ -38,8 +38,9 @@ def random_blocks(out_features: int, in_features: int, gen: torch.Generator) -> 
     )
 
 
-def q4_model(head_dim: int, seed: int = 0) -> Transformer:
-    """A random model whose four projections per layer are 4-bit blocks (eager path)."""
+def q4_model(head_dim: int, seed: int = 0, int8_rows: bool = False) -> Transformer:
+    """A random model whose four projections per layer are 4-bit blocks (eager path; the
+    native products take int8 inputs with ``int8_rows``)."""
     config = replace(
         ModelConfig.tiny(vocab_size=96),
         hidden_size=128,
@@ -57,10 +58,11 @@ def q4_model(head_dim: int, seed: int = 0) -> Transformer:
     d, inner = config.hidden_size, config.num_heads * head_dim
     for block in model.layers:
         qkv_out = (config.num_heads + 2 * config.num_kv_heads) * head_dim
-        block.attention.wqkv = Int4Linear(random_blocks(qkv_out, d, gen))
-        block.attention.wo = Int4Linear(random_blocks(d, inner, gen))
-        block.feed_forward.w13 = Int4Linear(random_blocks(2 * config.intermediate_size, d, gen))
-        block.feed_forward.w2 = Int4Linear(random_blocks(d, config.intermediate_size, gen))
+        inter = config.intermediate_size
+        block.attention.wqkv = Int4Linear(random_blocks(qkv_out, d, gen), int8_rows)
+        block.attention.wo = Int4Linear(random_blocks(d, inner, gen), int8_rows)
+        block.feed_forward.w13 = Int4Linear(random_blocks(2 * inter, d, gen), int8_rows)
+        block.feed_forward.w2 = Int4Linear(random_blocks(d, inter, gen), int8_rows)
     model.attention_dtype = torch.float64
     return model
 
@@ -298,15 +300,7 @@ def test_avx2_attention_keeps_the_generic_bits(head_dim: int, extension) -> None
 def test_int8_rows_run_the_whole_decoder_batch_invariantly(extension) -> None:
     """q4a8 (int8 activations): tree rows still equal decoding bitwise, and the model stays
     close to the int16-row one (7 bits per input instead of 15)."""
-    model = q4_model(32, seed=12)
-    for layer in model.layers:
-        for parent, name in ((layer.attention, "wqkv"), (layer.attention, "wo")):
-            linear = getattr(parent, name)
-            setattr(parent, name, Int4Linear(linear_blocks(linear), int8_rows=True))
-        for name in ("w13", "w2"):
-            linear = getattr(layer.feed_forward, name)
-            setattr(layer.feed_forward, name, Int4Linear(linear_blocks(linear), int8_rows=True))
-    a8 = native_twin(model, extension)
+    a8 = native_twin(q4_model(32, seed=12, int8_rows=True), extension)
     assert a8._native_int8_rows
     assert_tree_rows_equal_decoding(a8, random.Random(12))
     a16 = native_twin(q4_model(32, seed=12), extension)
@@ -314,14 +308,3 @@ def test_int8_rows_run_the_whole_decoder_batch_invariantly(extension) -> None:
     exact, coarse = prompt_logits(a16, ids), prompt_logits(a8, ids)
     rel = (exact - coarse).norm() / exact.norm()
     assert 0 < rel < 0.1, rel
-
-
-def linear_blocks(linear: Int4Linear) -> Q4Blocks:
-    """The 4-bit blocks back from an ``Int4Linear``'s native pack (``pack_q4`` inverted)."""
-    from tests.unit.test_q4_kernel import unpack
-
-    scales = linear.scales.float()  # [t, g, 2, 16]
-    t, g = scales.shape[:2]
-    scale = scales[:, :, 0].permute(0, 2, 1).reshape(t * 16, g)
-    minimum = scales[:, :, 1].permute(0, 2, 1).reshape(t * 16, g)
-    return Q4Blocks(unpack(linear.packed).to(torch.uint8), scale, minimum)

@@ -70,19 +70,14 @@ inline float fast_exp(float x) {
 // accumulators in registers: the same operations in the same order as ``dot`` and the generic
 // loop below (so the same bits), without a round trip through memory per key.
 template <int C>
-inline v16 key_products(const v16 (&q)[C], const float* key) {
-  v16 acc = {0};
-  for (int c = 0; c < C; ++c) acc += q[c] * load16(key + c * kLanes);
-  return acc;
-}
-
-template <int C>
 void fixed_scores_generic(const float* query, const float* keys, const int64_t* cols,
                           int64_t count, float scale, float* scores) {
   v16 q[C];
   for (int c = 0; c < C; ++c) q[c] = load16(query + c * kLanes);
   for (int64_t k = 0; k < count; ++k) {
-    v16 acc = key_products<C>(q, keys + cols[k] * C * kLanes);
+    const float* key = keys + cols[k] * C * kLanes;
+    v16 acc = {0};
+    for (int c = 0; c < C; ++c) acc += q[c] * load16(key + c * kLanes);
     acc += __builtin_shuffle(acc, v16i{8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15});
     acc += __builtin_shuffle(acc, v16i{4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7});
     acc += __builtin_shuffle(acc, v16i{2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3});
