@@ -275,7 +275,7 @@ class RemoteBackend(Admission):
         verify_seconds = time.perf_counter() - start
         self.num_verified_steps += len(batch)
         for seq, result in zip(batch, response.results, strict=True):
-            fallback = seq.use_drafter and seq.seq_id not in proposals
+            fallback = seq.use_drafter and seq.seq_id not in proposals and not seq.quiet_step
             self.num_fallback_steps += fallback
             self._learn(seq, result)
             facts = StepFacts(

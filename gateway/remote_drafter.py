@@ -7,6 +7,11 @@ A drafter call that fails for an unreachable or late drafter opens the breaker f
 the drafter lost or disagrees about a sequence, which is then started again from its full
 history; INVALID_ARGUMENT / RESOURCE_EXHAUSTED (cannot parse or hold it) leave that sequence
 target-only for good. Target-only steps are exact, so none of this changes the output.
+
+A gated drafter says how many of a sequence's next steps it will not draft
+(``Proposal.quiet_steps``); those steps verify root-only trees without a drafter call (one
+round trip per step instead of two), and their verifications ride along with the next
+Propose, oldest first (``ProposeItem.quiet``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 STATE_ERRORS = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
 REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
+MAX_QUIET_STEPS = 64  # the most quiet steps trusted from one proposal (the drafter's bound)
 
 
 class DrafterLink:
@@ -63,6 +69,8 @@ class DrafterLink:
 
     async def propose(self, batch: list[RemoteSeq]) -> dict[int, drafter_pb2.Proposal]:
         """One tree per drafted sequence of the batch; {} when the step must run target-only."""
+        for seq in batch:
+            seq.quiet_step = False
         await self._drain(batch)
         drafted = [s for s in batch if s.use_drafter]
         if not drafted or not self.available:
@@ -71,6 +79,11 @@ class DrafterLink:
         if stale and not await self._start(stale):
             return {}
         ready = [s for s in drafted if s.drafter_synced and s.use_drafter]
+        for seq in ready:  # a quiet step verifies root-only without asking the drafter (its
+            # hidden rows would go over a data plane only a Propose drains: not with one)
+            seq.quiet_step = seq.quiet_left > 0 and not self.plane_ok
+            seq.quiet_left -= seq.quiet_step
+        ready = [s for s in ready if not s.quiet_step]
         if not ready:
             return {}
         request = drafter_pb2.ProposeRequest(items=[s.propose_item() for s in ready])
@@ -86,7 +99,8 @@ class DrafterLink:
             return {}
         proposals = {}
         for seq, proposal in zip(ready, response.proposals, strict=True):
-            seq.pending_step = None
+            seq.pending_step, seq.unseen_steps = None, []
+            seq.quiet_left = min(proposal.quiet_steps, MAX_QUIET_STEPS)
             seq.drafter_committed = proposal.ref.num_committed
             seq.resampled_accepted += proposal.num_resampled_accepted
             tree = proposal.tree
@@ -103,10 +117,14 @@ class DrafterLink:
 
     def wants_hidden(self, seq: RemoteSeq, proposed: bool) -> bool:
         """Ask the verifier for the accepted path's hidden states of this sequence?"""
-        return seq.use_drafter and self.needs_hidden and (seq.keep_hidden or proposed)
+        wanted = seq.keep_hidden or proposed or seq.quiet_step
+        return seq.use_drafter and self.needs_hidden and wanted
 
     def learn(self, seq: RemoteSeq, result: verifier_pb2.VerifyResult) -> None:
         """Queue a verification for the drafter's next Propose of this sequence."""
+        if seq.quiet_step and seq.drafter_synced and seq.pending_step is not None:
+            seq.unseen_steps.append(seq.pending_step)  # the step before: root-only too
+            seq.pending_step = None
         if not (seq.use_drafter and seq.drafter_synced) or seq.pending_step is not None:
             if seq.pending_step is not None:  # it missed a step (fallback): start it again
                 seq.desync()

@@ -36,6 +36,11 @@ class RemoteSeq:
     drafter_synced: bool = False  # the drafter's state matches history + next_token
     drafter_committed: int = 0  # committed length the drafter holds
     pending_step: drafter_pb2.VerifiedStep | None = None  # last verification, unseen by it
+    # quiet steps (the drafter said it would not draft them): verified root-only without a
+    # Propose; their verifications wait in ``unseen_steps`` for the next Propose
+    quiet_left: int = 0
+    quiet_step: bool = False  # the step in flight is a quiet one
+    unseen_steps: list[drafter_pb2.VerifiedStep] = field(default_factory=list)
     resampled_accepted: int = 0  # reported by the drafter, owed to the next delta
     cancelled: bool = False
     done: bool = False
@@ -66,6 +71,7 @@ class RemoteSeq:
     def desync(self) -> None:
         """The drafter's state for this sequence is unknown: start it again before drafting."""
         self.drafter_synced = False
+        self.quiet_left, self.quiet_step, self.unseen_steps = 0, False, []
         if self.pending_step is not None and self.pending_step.hidden.HasField("plane"):
             ref = common_pb2.PlaneRef()
             ref.CopyFrom(self.pending_step.hidden.plane)
@@ -130,6 +136,7 @@ class RemoteSeq:
             want_draft_probs=not self.sequence.params.greedy,
         )
         if self.pending_step is not None:
+            item.quiet.extend(self.unseen_steps)
             item.verified.CopyFrom(self.pending_step)
         return item
 

@@ -13,6 +13,11 @@ plain steps (then after twice as many while it still does not pay). Where no dra
 pays at all, as for a 4-bit target on a CPU whose second row costs 30 % of a step, this is
 plain decoding with an occasional probe instead of a speculative method slower than it.
 
+A gated-off sequence stays off until its probe is due, so the steps it will not draft are
+known in advance (``quiet_steps``): a caller across a process boundary (the gateway in front
+of the drafter service) verifies those steps root-only without asking, and hands the drafter
+their verifications in order with the next call.
+
 Lossless by construction: a gated-off sequence verifies a root-only tree (a plain decode
 step), and the wrapped drafter still sees every verified step (its state keeps up).
 """
@@ -73,13 +78,25 @@ class DraftGate:
         return gate.accepted * step / batch >= self.draft_seconds + rows
 
     def choose(self, seq_ids: list[int]) -> list[bool]:
-        """Which of this step's sequences draft: those that pay, and those due a probe."""
+        """Which of this step's sequences draft: those whose last drafted step still pays, and
+        gated-off ones whose probe is due (until then they stay off: see ``quiet_steps``)."""
         chosen = []
         for seq_id in seq_ids:
             gate = self._seqs[seq_id]
-            gate.drafted = self.pays(seq_id, len(seq_ids)) or gate.waited >= gate.probe_after
+            if gate.waited == 0:  # drafted last step (or new): draft on while it pays
+                gate.drafted = self.pays(seq_id, len(seq_ids))
+            else:
+                gate.drafted = gate.waited >= gate.probe_after
             chosen.append(gate.drafted)
         return chosen
+
+    def quiet_steps(self, seq_id: int) -> int:
+        """After ``choose``: how many of the sequence's next steps certainly draft nothing
+        (0 while it drafts: whether the next step pays is decided then)."""
+        gate = self._seqs[seq_id]
+        if gate.drafted:
+            return 0
+        return max(0, gate.probe_after - gate.waited - 1)
 
     def drafted(self, seconds: float, widths: dict[int, int]) -> None:
         """A propose call took ``seconds`` for the sequences in ``widths`` (draft nodes each)."""
@@ -90,6 +107,10 @@ class DraftGate:
         for seq_id, width in widths.items():
             gate = self._seqs[seq_id]
             gate.width += alpha * (width - gate.width)
+
+    def drafting(self, seq_id: int) -> bool:
+        """Whether the sequence's step in flight was drafted."""
+        return self._seqs[seq_id].drafted
 
     def verified(self, seq_id: int, num_accepted: int) -> None:
         gate = self._seqs[seq_id]
@@ -114,7 +135,7 @@ class GatedDrafter:
         self.scheme = inner.scheme
         self.needs_hidden = inner.needs_hidden
         self.plain = NoDrafter()  # the root-only trees of gated-off sequences
-        self.num_gated_steps = 0  # sequence-steps that skipped drafting
+        self.num_gated_steps = 0  # sequence-steps that skipped drafting (quiet ones included)
 
     def __getattr__(self, name: str):  # only called for names not found on the wrapper
         return getattr(self.__dict__["inner"], name)
@@ -134,14 +155,20 @@ class GatedDrafter:
             widths = {s: tree.num_drafted for s, tree in trees.items()}
             self.gate.drafted(time.perf_counter() - start, widths)
         plain = [s for s in seq_ids if s not in trees]
-        self.num_gated_steps += len(plain)
         trees.update(zip(plain, self.plain.propose(plain), strict=True))
         return [trees[s] for s in seq_ids]
+
+    def quiet_steps(self, seq_id: int) -> int:
+        """Steps after the last ``propose`` on which ``seq_id`` certainly gets a root-only tree:
+        the caller may verify those without proposing, then pass their verifications to
+        ``on_verified`` in order before the next ``propose``."""
+        return self.gate.quiet_steps(seq_id)
 
     def on_verified(self, steps: list[VerifiedStep]) -> dict[int, int]:
         resampled = self.inner.on_verified(steps)
         self.plain.on_verified(steps)
         for step in steps:
+            self.num_gated_steps += not self.gate.drafting(step.seq_id)
             self.gate.verified(step.seq_id, step.num_accepted)
         return resampled
 

@@ -54,6 +54,7 @@ from services.server import (
     serve,
 )
 
+MAX_QUIET_STEPS = 64  # quiet steps one Propose may hand over (the gate waits at most 32)
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 log = logging.getLogger("lyanna.services.drafter")
 
@@ -171,15 +172,16 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 raise ServiceError(grpc.StatusCode.CANCELLED, "the caller is gone; nothing drafted")
             start = time.perf_counter()
             try:
-                resampled = [self._learn(step) for step in steps]
+                resampled = [self._learn(seq_steps) for seq_steps in steps]
                 trees = self.drafter.propose(seq_ids) if seq_ids else []
+                quiet = [self._quiet_steps(seq_id) for seq_id in seq_ids]
             except Exception:
                 for seq_id in seq_ids:
                     self._drop(seq_id)
                 raise
-            for seq_id, step in zip(seq_ids, steps, strict=True):
-                if step is not None:
-                    self._committed[seq_id] = step.num_committed
+            for seq_id, seq_steps in zip(seq_ids, steps, strict=True):
+                if seq_steps:
+                    self._committed[seq_id] = seq_steps[-1].num_committed
             draft_seconds = time.perf_counter() - start
             held = [self._committed[seq_id] for seq_id in seq_ids]
             self.metrics.draft_seconds.observe(draft_seconds)
@@ -190,9 +192,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 ref=common_pb2.SeqRef(seq_id=seq_id, num_committed=num_committed),
                 tree=codec.encode_tree(tree, with_draft_probs=item.want_draft_probs),
                 num_resampled_accepted=count,
+                quiet_steps=num_quiet,
             )
-            for seq_id, num_committed, item, tree, count in zip(
-                seq_ids, held, items, trees, resampled, strict=True
+            for seq_id, num_committed, item, tree, count, num_quiet in zip(
+                seq_ids, held, items, trees, resampled, quiet, strict=True
             )
         ]
         return drafter_pb2.ProposeResponse(proposals=proposals, draft_seconds=draft_seconds)
@@ -211,7 +214,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _step_of(self, item: drafter_pb2.ProposeItem) -> VerifiedStep | None:
+    def _step_of(self, item: drafter_pb2.ProposeItem) -> list[VerifiedStep]:
+        """The item's verifications in order: its quiet steps, then ``verified``."""
         seq_id = item.ref.seq_id
         if seq_id not in self._committed:
             raise not_found(f"unknown sequence {seq_id}")
@@ -221,9 +225,21 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 f"sequence {seq_id}: caller has {item.ref.num_committed} committed tokens, "
                 f"the drafter has {held}"
             )
-        if not item.HasField("verified"):
-            return None
-        verified = item.verified
+        if len(item.quiet) > MAX_QUIET_STEPS:
+            raise invalid(f"sequence {seq_id}: more than {MAX_QUIET_STEPS} quiet steps")
+        if item.quiet and not item.HasField("verified"):
+            raise invalid(f"sequence {seq_id}: quiet steps come before a verified step")
+        if any(len(quiet.committed) != 1 for quiet in item.quiet):
+            raise invalid(f"sequence {seq_id}: a quiet step verifies a root-only tree")
+        steps = []
+        for verified in [*item.quiet, item.verified] if item.HasField("verified") else []:
+            steps.append(self._verified_step(seq_id, verified, held))
+            held = steps[-1].num_committed
+        return steps
+
+    def _verified_step(
+        self, seq_id: int, verified: drafter_pb2.VerifiedStep, held: int
+    ) -> VerifiedStep:
         committed = list(verified.committed)
         if not committed or verified.num_accepted != len(committed) - 1:
             raise invalid(f"sequence {seq_id}: committed must hold the root + accepted tokens")
@@ -237,12 +253,19 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             num_committed=held + len(committed),
         )
 
-    def _learn(self, step: VerifiedStep | None) -> int:
-        """Feed one verification to the drafter; returns how many of its accepted tokens only
-        a re-sampled subtree had proposed (drafters without re-sampling: 0)."""
-        if step is None:
-            return 0
-        return self.drafter.on_verified([step]).get(step.seq_id, 0)
+    def _learn(self, steps: list[VerifiedStep]) -> int:
+        """Feed a sequence's verifications to the drafter in order; returns how many accepted
+        tokens of the last one only a re-sampled subtree had proposed (drafters without
+        re-sampling: 0)."""
+        resampled = 0
+        for step in steps:
+            resampled = self.drafter.on_verified([step]).get(step.seq_id, 0)
+        return resampled
+
+    def _quiet_steps(self, seq_id: int) -> int:
+        """Steps the drafter will certainly not draft for ``seq_id`` (gated drafters only)."""
+        quiet_steps = getattr(self.drafter, "quiet_steps", None)
+        return min(quiet_steps(seq_id), MAX_QUIET_STEPS) if quiet_steps else 0
 
     def _hidden(self, message, field: str, num_rows: int) -> torch.Tensor | None:
         if not self.drafter.needs_hidden:

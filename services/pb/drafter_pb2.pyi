@@ -66,14 +66,16 @@ class VerifiedStep(_message.Message):
     def __init__(self, committed: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., next_token: _Optional[int] = ..., num_accepted: _Optional[int] = ...) -> None: ...
 
 class ProposeItem(_message.Message):
-    __slots__ = ("ref", "verified", "want_draft_probs")
+    __slots__ = ("ref", "verified", "want_draft_probs", "quiet")
     REF_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     WANT_DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    QUIET_FIELD_NUMBER: _ClassVar[int]
     ref: _common_pb2.SeqRef
     verified: VerifiedStep
     want_draft_probs: bool
-    def __init__(self, ref: _Optional[_Union[_common_pb2.SeqRef, _Mapping]] = ..., verified: _Optional[_Union[VerifiedStep, _Mapping]] = ..., want_draft_probs: _Optional[bool] = ...) -> None: ...
+    quiet: _containers.RepeatedCompositeFieldContainer[VerifiedStep]
+    def __init__(self, ref: _Optional[_Union[_common_pb2.SeqRef, _Mapping]] = ..., verified: _Optional[_Union[VerifiedStep, _Mapping]] = ..., want_draft_probs: _Optional[bool] = ..., quiet: _Optional[_Iterable[_Union[VerifiedStep, _Mapping]]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("items",)
@@ -82,14 +84,16 @@ class ProposeRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("ref", "tree", "num_resampled_accepted")
+    __slots__ = ("ref", "tree", "num_resampled_accepted", "quiet_steps")
     REF_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     NUM_RESAMPLED_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    QUIET_STEPS_FIELD_NUMBER: _ClassVar[int]
     ref: _common_pb2.SeqRef
     tree: _common_pb2.TokenTree
     num_resampled_accepted: int
-    def __init__(self, ref: _Optional[_Union[_common_pb2.SeqRef, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., num_resampled_accepted: _Optional[int] = ...) -> None: ...
+    quiet_steps: int
+    def __init__(self, ref: _Optional[_Union[_common_pb2.SeqRef, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., num_resampled_accepted: _Optional[int] = ..., quiet_steps: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("proposals", "draft_seconds")

@@ -34,6 +34,7 @@ class ScriptedStub:
         self.errors: dict[str, list[AioRpcError]] = {}
         self.root: int | None = None  # force this root (a misbehaving drafter)
         self.roots: dict[int, int] = {}  # seq id -> next token as the drafter knows it
+        self.quiet = 0  # announce this many quiet steps with each proposal
 
     async def _call(self, name: str, request):
         self.calls.append(name)
@@ -49,7 +50,8 @@ class ScriptedStub:
                     self.roots[item.ref.seq_id] = item.verified.next_token
                 root = self.root if self.root is not None else self.roots[item.ref.seq_id]
                 tree = common_pb2.TokenTree(tokens=[root, 3], parents=[-1, 0], scheme=4)
-                proposals.append(drafter_pb2.Proposal(ref=item.ref, tree=tree))
+                proposal = drafter_pb2.Proposal(ref=item.ref, tree=tree, quiet_steps=self.quiet)
+                proposals.append(proposal)
             return drafter_pb2.ProposeResponse(proposals=proposals)
         return common_pb2.ReleaseResponse()
 
@@ -184,3 +186,41 @@ def test_a_desynced_sequence_s_unread_transfer_is_drained() -> None:
     a.desync()
     request = link.release_request([a], [b])
     assert [r.transfer_id for r in request.discard] == [8]
+
+
+def test_quiet_steps_skip_the_drafter_and_reach_it_in_order(link_and_stub) -> None:
+    """A proposal announcing quiet steps: those steps cost no Propose, and the next Propose
+    carries every verification the drafter has not seen, oldest first, hidden rows included."""
+    link, stub = link_and_stub
+    seq = make_seq()
+    stub.quiet = 2
+    asyncio.run(link.propose([seq]))
+    verified(seq, link, [9])  # the (gated) step the proposal was for
+    stub.calls.clear(), stub.requests.clear()
+    for token in (8, 6):  # two quiet steps: no call, root-only
+        assert asyncio.run(link.propose([seq])) == {} and seq.quiet_step
+        assert link.wants_hidden(seq, proposed=False)
+        verified(seq, link, [token])
+    assert stub.calls == []
+    stub.quiet = 0
+    assert 1 in asyncio.run(link.propose([seq])) and not seq.quiet_step
+    (item,) = stub.requests[0].items
+    assert [list(step.committed) for step in item.quiet] == [[7], [9]]
+    assert list(item.verified.committed) == [8] and item.verified.next_token == 6
+    assert all(step.hidden.HasField("tensor") for step in [*item.quiet, item.verified])
+    assert not seq.unseen_steps and seq.quiet_left == 0
+
+
+def test_a_desync_forgets_quiet_steps(link_and_stub) -> None:
+    link, stub = link_and_stub
+    seq = make_seq()
+    stub.quiet = 3
+    asyncio.run(link.propose([seq]))
+    verified(seq, link, [9])
+    asyncio.run(link.propose([seq]))
+    verified(seq, link, [8])
+    seq.desync()  # e.g. the drafter lost it: started again from the full history
+    stub.calls.clear()
+    assert 1 in asyncio.run(link.propose([seq]))
+    assert stub.calls == ["Release", "Start", "Propose"]
+    assert not stub.requests[-1].items[0].quiet

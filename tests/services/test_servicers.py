@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from lyanna.drafters import DraftBudget
+from lyanna.drafters.gate import DraftGate, GateConfig, GatedDrafter
 from lyanna.drafters.ngram import NgramDrafter
 from lyanna.target import TargetConfig, TargetRunner
 from lyanna.tree import TokenTree
+from lyanna.tree_cost import VerifyCost
 from services import codec
 from services.codec import WireError
 from services.data_plane import sign_ref
@@ -231,3 +233,50 @@ def test_discard_receives_an_unread_transfer_once_and_skips_received_ones() -> N
         receiver.discard(signed(10_000, 1, 1))
     with pytest.raises(WireError, match="not signed"):  # forged
         receiver.discard(common_pb2.PlaneRef(transfer_id=3, num_rows=1, total_rows=1))
+
+
+def test_drafter_announces_quiet_steps_applies_them_in_order_and_refuses_bad_ones() -> None:
+    """A gated-off sequence's proposal says how many steps it will not draft; the caller's
+    quiet verifications are applied before ``verified`` (the drafter's committed count moves
+    by all of them), and malformed ones are refused with nothing applied."""
+    never_pays = VerifyCost((1, 2), (1.0, 3.0))
+    config = DrafterConfig(method="ngram", depth=4, top_k=2, max_draft_tokens=6)
+    drafter = GatedDrafter(NgramDrafter(config.shape()), DraftGate(never_pays, GateConfig()))
+    servicer = DrafterServicer(drafter, config, HiddenReceiver(32, torch.float32), 16)
+    start = drafter_pb2.StartItem(
+        ref=common_pb2.SeqRef(seq_id=5, num_committed=2), prompt_ids=[1, 2], first_token=3
+    )
+    servicer.Start(drafter_pb2.StartRequest(items=[start]), FakeContext())
+
+    def propose(num_committed: int, quiet: list[list[int]], verified: list[int] | None, nxt: int):
+        item = drafter_pb2.ProposeItem(ref=common_pb2.SeqRef(seq_id=5, num_committed=num_committed))
+        for committed in quiet:
+            item.quiet.append(drafter_pb2.VerifiedStep(committed=committed, next_token=1))
+        if verified is not None:
+            item.verified.CopyFrom(
+                drafter_pb2.VerifiedStep(
+                    committed=verified, next_token=nxt, num_accepted=len(verified) - 1
+                )
+            )
+        request = drafter_pb2.ProposeRequest(items=[item])
+        (proposal,) = servicer.Propose(request, FakeContext()).proposals
+        return proposal
+
+    first = propose(2, [], None, 0)
+    assert list(first.tree.tokens) == [3]  # gated off: a root-only tree
+    quiet = first.quiet_steps
+    assert quiet == GateConfig().probe_after - 1
+    for bad in (
+        ([[3]], None),  # quiet steps without the step after them
+        ([[3, 1]], [1]),  # a quiet step is root-only
+        ([[3]] * 65, [1]),  # more than the bound
+    ):
+        with pytest.raises(Aborted) as error:
+            propose(2, *bad, 4)
+        assert error.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT
+    quiet_tokens = [[3], *([1] * 1 for _ in range(quiet - 1))]
+    probe = propose(2, quiet_tokens, [1], 4)  # all quiet steps, then the last one
+    assert probe.ref.num_committed == 2 + quiet + 1
+    assert probe.tree.tokens[0] == 4
+    assert drafter.num_gated_steps == quiet + 1
+    assert drafter.gate.drafting(5)  # the probe is due now: it drafts

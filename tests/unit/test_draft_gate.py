@@ -52,6 +52,29 @@ def test_a_probe_that_pays_turns_drafting_back_on() -> None:
     assert drafted == [0, 1, 6, *range(15, 40)]
 
 
+def test_quiet_steps_foretell_the_plain_steps_before_each_probe() -> None:
+    """A caller that skips the drafter for ``quiet_steps`` steps misses no drafted step: each
+    promised quiet step is one ``choose`` would have made plain, and the step after them drafts
+    (a probe) or is announced quiet again."""
+    gate = DraftGate(HALF_STEP_ROW, GateConfig(alpha=0.3, prior=1.0, probe_after=4, probe_max=32))
+    gate.start(0)
+    promised, checked, drafted = 0, 0, []
+    for step in range(120):
+        (chosen,) = gate.choose([0])
+        drafted += [step] * chosen
+        if promised:
+            assert not chosen, f"step {step} was promised quiet"
+            promised -= 1
+            checked += 1
+        else:
+            promised = gate.quiet_steps(0)
+            assert promised == 0 or not chosen
+        gate.verified(0, 0)
+    assert drafted == [0, 1, 6, 15, 32, 65, 98]  # as without quiet steps (test above)
+    # every plain step was announced but the first of each run of them (6 runs)
+    assert checked == 120 - len(drafted) - 6
+
+
 def test_draft_time_raises_the_bar() -> None:
     gate = DraftGate(HALF_STEP_ROW, GateConfig(alpha=1.0))
     gate.start(0)
