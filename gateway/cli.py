@@ -110,6 +110,15 @@ def _add_serve(sub) -> None:
         "target's cost curve, measured once per machine); fixed: every method's full "
         "default budget (env LYANNA_TREE)",
     )
+    serve.add_argument(
+        "--threads",
+        type=int,
+        default=int(os.environ.get("LYANNA_THREADS", "0")),
+        help="compute threads of the target (embedded) or the verifier (services); 0 = the "
+        "CPUs less one (embedded: the event loop) or two (services: drafter, gateway), at "
+        "least 1: a team using every core stalls whenever another thread runs "
+        "(env LYANNA_THREADS)",
+    )
     serve.add_argument("--max-running", type=int, default=8, help="running sequences per engine")
     serve.add_argument("--max-len", type=int, default=2048, help="KV rows per sequence")
     serve.add_argument("--max-waiting", type=int, default=64, help="queue bound (then 429)")

@@ -26,6 +26,7 @@ from gateway.config import GatewayConfig
 from gateway.embedded import EmbeddedConfig
 from gateway.server import embedded_app, load, serve
 from gateway.text import make_detokenize
+from lyanna.threads import serving_threads
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ def banner(config: GatewayConfig, method: str) -> str:
 
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # embedded: the event loop beside the target; services: the drafter and the gateway too
+    threads = serving_threads(args.threads, reserved=1 if args.mode == "embedded" else 2)
     overrides = {
         "host": args.host,
         "port": args.port,
@@ -66,6 +69,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.model:
         overrides["model_name"] = Path(args.model).stem
     config = GatewayConfig.from_env(**overrides)
+    if config.mode == "embedded":
+        import torch
+
+        torch.set_num_threads(threads)  # before the model loads and measures its cost curve
+    args.threads = threads
     SERVE_MODES[config.mode](args, config)
     return 0
 
@@ -101,7 +109,8 @@ def _serve_services(args: argparse.Namespace, config: GatewayConfig) -> None:
         return
     # one capacity for both services: a drafter with fewer slots would refuse sequences
     capacity = ("--max-running", str(args.max_running), "--max-len", str(args.max_len))
-    verifier_args = (*capacity, "--weights", args.weights)
+    # the verifier gets the compute threads; the drafter (mostly small steps) one
+    verifier_args = (*capacity, "--weights", args.weights, "--torch-threads", str(args.threads))
     # the drafter loads the target in the verifier's format to measure its cost curve
     drafter_args = (*capacity, "--weights", args.weights, "--tree", args.tree)
     for method in dict.fromkeys((args.method, *FALLBACK_METHODS)):

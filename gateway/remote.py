@@ -15,6 +15,10 @@ Scheduling (all on the event loop, async gRPC clients, a deadline on every call)
   verification into its fresh tree under the budget, in the drafter process, which owns the
   chain logits (the engine runs the same code). The fused tree is a deterministic candidate
   set, so the acceptance rule stays lossless.
+- *Plain steps together*: when no sequence of a micro-batch drafts this step and the next
+  ones are known to be plain (target-only methods, and a gated drafter's quiet steps), one
+  ``Verify`` runs up to ``max_steps_per_call`` decode steps (``VerifyItem.steps``): one round
+  trip for several tokens, each still streamed and counted as its own step.
 - *Fallback*: when the drafter fails or misses ``draft_deadline``, the lane verifies
   root-only trees (plain target decoding, still exact) and retries the drafter after
   ``drafter_retry_seconds``. A sequence whose drafter state is in doubt is started again from
@@ -83,7 +87,8 @@ class RemoteBackend(Admission):
         self.vocab_size = 0
         self.hidden_row_bytes = 0  # one hidden state on the wire (from the verifier's Capacity)
         self.num_fallback_steps = 0
-        self.num_verified_steps = 0
+        self.num_verified_steps = 0  # sequence-steps verified
+        self.num_verify_calls = 0
         self.num_resumed = 0  # sequences re-prefilled after the verifier lost them
         self._waiting: deque[RemoteSeq] = deque()
         self._lanes = [_Lane() for _ in range(2 if config.pipeline else 1)]
@@ -247,6 +252,8 @@ class RemoteBackend(Admission):
         draft_seconds: float,
     ) -> list[RemoteSeq]:
         """Verify the batch, stream its tokens; returns the sequences that finished."""
+        use_plane = self.drafter is not None and self.drafter.plane_ok
+        steps = 1 if use_plane else self._plain_steps(batch, proposals)
         items = []
         for seq in batch:
             proposal = proposals.get(seq.seq_id)
@@ -255,9 +262,10 @@ class RemoteBackend(Admission):
                 seq, proposal is not None
             )
             items.append(
-                verifier_pb2.VerifyItem(ref=seq.ref(), tree=tree, return_hidden=wants_hidden)
+                verifier_pb2.VerifyItem(
+                    ref=seq.ref(), tree=tree, return_hidden=wants_hidden, steps=steps
+                )
             )
-        use_plane = self.drafter is not None and self.drafter.plane_ok
         request = verifier_pb2.VerifyRequest(items=items, use_data_plane=use_plane)
         start = time.perf_counter()
         try:
@@ -272,25 +280,52 @@ class RemoteBackend(Admission):
             for seq in batch:
                 seq.deliver(failure)
             return batch
-        verify_seconds = time.perf_counter() - start
-        self.num_verified_steps += len(batch)
+        verify_seconds = (time.perf_counter() - start) / steps
+        self.num_verify_calls += 1
         for seq, result in zip(batch, response.results, strict=True):
             fallback = seq.use_drafter and seq.seq_id not in proposals and not seq.quiet_step
-            self.num_fallback_steps += fallback
-            self._learn(seq, result)
-            facts = StepFacts(
-                method=seq.method,
-                num_drafted=result.num_drafted,
-                num_accepted=result.num_accepted,
-                num_resampled_accepted=seq.resampled_accepted,
-                draft_seconds=draft_seconds,
-                verify_seconds=verify_seconds,
-                drafter_fallback=fallback,
-            )
-            seq.resampled_accepted = 0
-            emitted = seq.sequence.append(list(result.tokens))
-            seq.deliver(TokenDelta(emitted, seq.sequence.finish_reason, facts))
+            for step, part in enumerate(_split_steps(result)):
+                if step:  # the drafter said so: a quiet step (see _plain_steps)
+                    seq.quiet_step, seq.quiet_left = True, max(0, seq.quiet_left - 1)
+                self.num_verified_steps += 1
+                self.num_fallback_steps += fallback and not step
+                self._learn(seq, part)
+                facts = StepFacts(
+                    method=seq.method,
+                    num_drafted=part.num_drafted,
+                    num_accepted=part.num_accepted,
+                    num_resampled_accepted=seq.resampled_accepted,
+                    draft_seconds=0.0 if step else draft_seconds,
+                    verify_seconds=verify_seconds,
+                    drafter_fallback=fallback and not step,
+                )
+                seq.resampled_accepted = 0
+                emitted = seq.sequence.append(list(part.tokens))
+                seq.deliver(TokenDelta(emitted, seq.sequence.finish_reason, facts))
+                if seq.sequence.finished or seq.done:
+                    break  # tokens decoded past the end are dropped with the sequence
         return [s for s in batch if s.sequence.finished or s.done]
+
+    def _plain_steps(
+        self, batch: list[RemoteSeq], proposals: dict[int, drafter_pb2.Proposal]
+    ) -> int:
+        """Decode steps one Verify may run for the batch: 1 unless no sequence drafts now or
+        in the next steps (the fewest any sequence allows, at most ``max_steps_per_call``).
+        A sequence allows its remaining tokens when it never drafts (target-only method,
+        refused by the drafter), and 1 + its quiet steps when its drafter said it would not
+        draft them; a drafted tree or a fallback step allows 1."""
+        allowed = self.config.max_steps_per_call
+        for seq in batch:
+            proposal = proposals.get(seq.seq_id)
+            if self.drafter is not None and seq.use_drafter:
+                if proposal is not None and len(proposal.tree.tokens) > 1:
+                    return 1
+                if proposal is None and not seq.quiet_step:
+                    return 1  # a fallback step: the drafter must see it next time
+                allowed = min(allowed, 1 + seq.quiet_left)
+            left = seq.sequence.params.max_tokens - len(seq.sequence.output_ids)
+            allowed = min(allowed, left)
+        return max(1, allowed)
 
     def _learn(self, seq: RemoteSeq, result: verifier_pb2.VerifyResult) -> None:
         """Record a verification: history, next token, hidden rows, the drafter's next step."""
@@ -320,3 +355,26 @@ class RemoteBackend(Admission):
         for outcome in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(outcome, grpc.aio.AioRpcError):
                 logger.warning("release failed: %s", outcome.details())
+
+
+def _split_steps(result: verifier_pb2.VerifyResult) -> list[verifier_pb2.VerifyResult]:
+    """A result of several plain decode steps as one result per step, oldest first."""
+    if result.num_steps <= 1:
+        return [result]
+    rows = None
+    if result.hidden.WhichOneof("payload") == "tensor":
+        rows = codec.decode_tensor(result.hidden.tensor)
+    parts = []
+    for step in range(result.num_steps):
+        part = verifier_pb2.VerifyResult(
+            ref=common_pb2.SeqRef(
+                seq_id=result.ref.seq_id,
+                num_committed=result.ref.num_committed - result.num_steps + step + 1,
+            ),
+            committed=[result.committed[step]],
+            tokens=[result.tokens[step]],
+        )
+        if rows is not None:
+            part.hidden.tensor.CopyFrom(codec.encode_tensor(rows[step : step + 1]))
+        parts.append(part)
+    return parts

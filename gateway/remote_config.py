@@ -24,6 +24,9 @@ class RemoteConfig:
     draft_deadline: float = 10.0  # past it the step runs target-only
     control_deadline: float = 10.0  # Start, Release, Capacity, Info
     drafter_retry_seconds: float = 1.0
+    # plain decode steps one Verify may run when nobody drafts (tokens still stream one by
+    # one as they are read, but arrive in bursts of up to this many)
+    max_steps_per_call: int = 8
     use_data_plane: bool = False  # hidden states verifier -> drafter over torch.distributed
     max_message_mb: int = 64
     # hidden states kept per sequence to restart a hidden-state drafter from its history;
@@ -38,6 +41,8 @@ class RemoteConfig:
         deadlines = (self.prefill_deadline, self.verify_deadline, self.draft_deadline)
         if min(*deadlines, self.control_deadline, self.queue_timeout) <= 0:
             raise ValueError("deadlines and queue_timeout must be > 0")
+        if not 1 <= self.max_steps_per_call <= 64:
+            raise ValueError("max_steps_per_call must be in [1, 64] (the verifier's bound)")
         if self.drafter_retry_seconds < 0:
             raise ValueError("deadlines must be > 0 and drafter_retry_seconds >= 0")
         if self.use_data_plane and self.drafter_addr is None:

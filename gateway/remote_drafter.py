@@ -43,6 +43,7 @@ class DrafterLink:
         self.budget = 0  # max draft tokens (the budget of verifier-side fusion)
         self.num_plane_transfers = 0  # verified steps whose hidden rows used the data plane
         self.num_starts = 0  # sequences started on the drafter (first starts + resyncs)
+        self.num_propose_calls = 0
         self._down_until = 0.0
         self._error = ""
 
@@ -87,6 +88,7 @@ class DrafterLink:
         if not ready:
             return {}
         request = drafter_pb2.ProposeRequest(items=[s.propose_item() for s in ready])
+        self.num_propose_calls += 1
         try:
             response = await self.stub.Propose(request, timeout=self.draft_deadline)
         except grpc.aio.AioRpcError as error:

@@ -38,6 +38,7 @@ from lyanna.drafters import (
 from lyanna.model import load_model
 from lyanna.model.loader import WEIGHT_FORMATS
 from lyanna.model.transformer import Transformer
+from lyanna.threads import serving_threads
 from services import codec
 from services.config import ServerConfig, parse_configs
 from services.data_plane import DataPlane
@@ -318,8 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s drafter %(message)s")
     exit_with_parent()
-    if server_config.torch_threads:
-        torch.set_num_threads(server_config.torch_threads)
+    torch.set_num_threads(serving_threads(server_config.torch_threads))
     servicer = build_servicer(config, server_config)
 
     def add(server: grpc.Server) -> None:

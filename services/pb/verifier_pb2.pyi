@@ -48,14 +48,16 @@ class PrefillResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[PrefillResult, _Mapping]]] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
 
 class VerifyItem(_message.Message):
-    __slots__ = ("ref", "tree", "return_hidden")
+    __slots__ = ("ref", "tree", "return_hidden", "steps")
     REF_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     RETURN_HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     ref: _common_pb2.SeqRef
     tree: _common_pb2.TokenTree
     return_hidden: bool
-    def __init__(self, ref: _Optional[_Union[_common_pb2.SeqRef, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., return_hidden: _Optional[bool] = ...) -> None: ...
+    steps: int
+    def __init__(self, ref: _Optional[_Union[_common_pb2.SeqRef, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., return_hidden: _Optional[bool] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("items", "use_data_plane")
@@ -66,7 +68,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ..., use_data_plane: _Optional[bool] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("ref", "committed", "tokens", "num_accepted", "num_drafted_per_depth", "hidden", "num_drafted")
+    __slots__ = ("ref", "committed", "tokens", "num_accepted", "num_drafted_per_depth", "hidden", "num_drafted", "num_steps")
     REF_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +76,7 @@ class VerifyResult(_message.Message):
     NUM_DRAFTED_PER_DEPTH_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     ref: _common_pb2.SeqRef
     committed: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -81,7 +84,8 @@ class VerifyResult(_message.Message):
     num_drafted_per_depth: _containers.RepeatedScalarFieldContainer[int]
     hidden: _common_pb2.HiddenStates
     num_drafted: int
-    def __init__(self, ref: _Optional[_Union[_common_pb2.SeqRef, _Mapping]] = ..., committed: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., num_drafted_per_depth: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., num_drafted: _Optional[int] = ...) -> None: ...
+    num_steps: int
+    def __init__(self, ref: _Optional[_Union[_common_pb2.SeqRef, _Mapping]] = ..., committed: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., num_drafted_per_depth: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., num_drafted: _Optional[int] = ..., num_steps: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("results", "forward_seconds")

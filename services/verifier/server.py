@@ -1,11 +1,11 @@
 """The verifier gRPC servicer around ``lyanna.target.TargetRunner``.
 
 Prefill fills each prompt's KV and decides its first token; Verify checks every sequence's
-``SeqRef`` (NOT_FOUND / FAILED_PRECONDITION), fuses a re-sampled subtree into the fresh tree
-when one is sent (trie union pruned to the budget: a deterministic candidate set, so the
-acceptance rule stays lossless), runs all trees of the call in one target forward and returns
-the emitted tokens with the accepted path's hidden states. One lock serializes model work;
-health, reflection and Capacity answer while a forward runs.
+``SeqRef`` (NOT_FOUND / FAILED_PRECONDITION), runs all trees of the call in one target forward
+and returns the emitted tokens with the accepted path's hidden states. A root-only item may
+ask for several plain decode steps (``VerifyItem.steps``): the call then runs that many
+forwards, each step's token the next one's root, and returns them together. One lock
+serializes model work; health, reflection and Capacity answer while a forward runs.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import torch
 from lyanna.model import load_model
 from lyanna.model.loader import WEIGHT_FORMATS
 from lyanna.sampling import SamplingParams
-from lyanna.target import TargetConfig, TargetRunner
+from lyanna.target import TargetConfig, TargetRunner, Verified
+from lyanna.threads import serving_threads
 from lyanna.tree import TokenTree
 from services import codec
 from services.config import ServerConfig, parse_configs
@@ -31,6 +32,7 @@ from services.metrics import VerifierMetrics, serve_metrics
 from services.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
 from services.server import ServiceError, exit_with_parent, invalid, out_of_step, rpc_errors, serve
 
+MAX_STEPS = 64  # plain decode steps one Verify item may ask for
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 
 
@@ -135,37 +137,67 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 )
             for item, tree in zip(items, trees, strict=True):
                 self._check_ref(item.ref)
-                if item.ref.num_committed + tree.num_nodes > self.runner.max_len:
+                rows = item.ref.num_committed + tree.num_nodes + max(item.steps, 1) - 1
+                if rows > self.runner.max_len:
                     raise ServiceError(
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"sequence {item.ref.seq_id} has no room for a {tree.num_nodes}-node tree",
+                        f"sequence {item.ref.seq_id} has no room for a {tree.num_nodes}-node "
+                        f"tree and {max(item.steps, 1)} steps",
                     )
             start = time.perf_counter()
-            want_hidden = any(item.return_hidden for item in items)
-            rules_before = self.runner.rule_seconds
-            verified = self.runner.verify(seq_ids, trees, return_hidden=want_hidden)
+            want_hidden = [item.return_hidden for item in items]
+            steps = [max(item.steps, 1) for item in items]
+            verified = self._verify_steps(seq_ids, trees, steps, want_hidden)
             forward_seconds = time.perf_counter() - start
-            self.metrics.rule_seconds.observe(self.runner.rule_seconds - rules_before)
-            self._record_verify(trees, verified, forward_seconds)
             hidden = [
-                v.hidden if item.return_hidden else None
-                for item, v in zip(items, verified, strict=True)
+                torch.cat([v.hidden for v in runs]) if wanted else None
+                for wanted, runs in zip(want_hidden, verified, strict=True)
             ]
             encoded = self.sender.encode(hidden, use_plane=request.use_data_plane)
         results = []
-        for seq_id, tree, v, message in zip(seq_ids, trees, verified, encoded, strict=True):
+        for seq_id, tree, runs, message in zip(seq_ids, trees, verified, encoded, strict=True):
+            first, last = runs[0], runs[-1]
             results.append(
                 verifier_pb2.VerifyResult(
-                    ref=common_pb2.SeqRef(seq_id=seq_id, num_committed=v.num_committed),
-                    committed=v.committed,
-                    tokens=v.verdict.tokens,
-                    num_accepted=v.verdict.num_accepted,
-                    num_drafted_per_depth=v.verdict.num_drafted_per_depth,
+                    ref=common_pb2.SeqRef(seq_id=seq_id, num_committed=last.num_committed),
+                    committed=[token for v in runs for token in v.committed],
+                    tokens=[token for v in runs for token in v.verdict.tokens],
+                    num_accepted=first.verdict.num_accepted,
+                    num_drafted_per_depth=first.verdict.num_drafted_per_depth,
                     hidden=message,
                     num_drafted=tree.num_drafted,
+                    num_steps=len(runs),
                 )
             )
         return verifier_pb2.VerifyResponse(results=results, forward_seconds=forward_seconds)
+
+    def _verify_steps(
+        self,
+        seq_ids: list[int],
+        trees: list[TokenTree],
+        steps: list[int],
+        want_hidden: list[bool],
+    ) -> list[list[Verified]]:
+        """Each sequence's verifications: its tree, then (``steps`` > 1) plain decode steps
+        rooted at the token before, as many forwards as the most steps asked for."""
+        runs: list[list[Verified]] = [[] for _ in seq_ids]
+        active = list(range(len(seq_ids)))
+        for step in range(max(steps)):
+            active = [i for i in active if steps[i] > step]
+            ids = [seq_ids[i] for i in active]
+            if step == 0:
+                step_trees = trees
+            else:
+                step_trees = [TokenTree.root_only(self.runner.next_token(s)) for s in ids]
+            start = time.perf_counter()
+            rules_before = self.runner.rule_seconds
+            hidden = any(want_hidden[i] for i in active)
+            verified = self.runner.verify(ids, step_trees, return_hidden=hidden)
+            self.metrics.rule_seconds.observe(self.runner.rule_seconds - rules_before)
+            self._record_verify(step_trees, verified, time.perf_counter() - start)
+            for i, v in zip(active, verified, strict=True):
+                runs[i].append(v)
+        return runs
 
     def _record_verify(self, trees: list[TokenTree], verified, seconds: float) -> None:
         metrics = self.metrics
@@ -222,7 +254,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             )
 
     def _tree_of(self, item: verifier_pb2.VerifyItem) -> TokenTree:
-        return codec.decode_tree(item.tree, self.vocab_size, self.config.max_tree_nodes)
+        tree = codec.decode_tree(item.tree, self.vocab_size, self.config.max_tree_nodes)
+        if item.steps > MAX_STEPS:
+            raise invalid(f"sequence {item.ref.seq_id}: more than {MAX_STEPS} steps")
+        if item.steps > 1 and tree.num_nodes != 1:
+            raise invalid(f"sequence {item.ref.seq_id}: several steps need a root-only tree")
+        return tree
 
 
 def build_servicer(config: VerifierConfig, server_config: ServerConfig) -> VerifierServicer:
@@ -246,8 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s verifier %(message)s")
     exit_with_parent()
-    if server_config.torch_threads:
-        torch.set_num_threads(server_config.torch_threads)
+    torch.set_num_threads(serving_threads(server_config.torch_threads))
     servicer = build_servicer(config, server_config)
 
     def add(server: grpc.Server) -> None:

@@ -118,6 +118,57 @@ def test_target_only_method(ngram_services, tiny_loaded) -> None:
     assert all(s.num_drafted == 0 and not s.drafter_fallback for s in steps)
 
 
+def test_plain_steps_share_a_verify_call_and_stay_exact(ngram_services, tiny_loaded) -> None:
+    """Target-only requests run up to ``max_steps_per_call`` decode steps per Verify: greedy
+    output is plain decoding's, seeded sampling the in-process engine's, each token still its
+    own step, and far fewer calls than steps."""
+
+    async def run(params: SamplingParams) -> tuple[list[Outcome], RemoteBackend]:
+        config = config_for(ngram_services, pipeline=False, max_steps_per_call=8)
+        backend = RemoteBackend(config, frozenset(), lambda ids: "")
+        await backend.start()
+
+        async def one(prompt: list[int]) -> Outcome:
+            outcome = Outcome()
+            async for delta in backend.generate(GenerationRequest("p", prompt, params, "ar")):
+                outcome.tokens += delta.token_ids
+                outcome.steps += [delta.step] if delta.step else []
+            return outcome
+
+        try:
+            return list(await asyncio.gather(*(one(p) for p in PROMPTS))), backend
+        finally:
+            await backend.stop()
+
+    greedy = SamplingParams(max_tokens=MAX_TOKENS)
+    outcomes, backend = asyncio.run(run(greedy))
+    assert [o.tokens for o in outcomes] == plain_greedy(tiny_loaded, PROMPTS, MAX_TOKENS)
+    assert all(len(o.steps) == MAX_TOKENS - 1 for o in outcomes)  # the first is the prefill's
+    assert backend.num_verified_steps == len(PROMPTS) * (MAX_TOKENS - 1)
+    assert backend.num_verify_calls * 4 < backend.num_verified_steps
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=MAX_TOKENS, seed=7)
+    outcomes, _ = asyncio.run(run(sampled))
+    assert [o.tokens for o in outcomes] == engine_outputs(tiny_loaded, None, PROMPTS, sampled)
+
+
+def test_quiet_steps_skip_the_drafter_and_share_verify_calls(tiny_model_dir, tiny_loaded) -> None:
+    """A gated drafter that drafts only its probes: the steps it announces as quiet cost no
+    Propose and ride together in Verify calls, the output stays plain greedy decoding, and
+    the drafter stays in step (no fallback, no restart)."""
+    flags = (*BUDGET_FLAGS, "--factory", "tests.services.tiny_drafters:gated_lyanna")
+    max_tokens = 60
+    with launch(tiny_model_dir, "lyanna", drafter_args=flags) as deployment:
+        params = SamplingParams(max_tokens=max_tokens)
+        outcomes, backend = run_remote(config_for(deployment), PROMPTS, params)
+    assert [o.tokens for o in outcomes] == plain_greedy(tiny_loaded, PROMPTS, max_tokens)
+    steps = [s for o in outcomes for s in o.steps]
+    assert not any(s.drafter_fallback for s in steps)
+    assert any(s.num_drafted for s in steps)  # its probes
+    assert backend.drafter.num_starts == len(PROMPTS)
+    assert backend.drafter.num_propose_calls * 3 < len(steps)
+    assert backend.num_verify_calls * 2 < len(steps)
+
+
 def test_invalid_requests_are_refused_before_admission(ngram_services) -> None:
     async def refused(prompt: list[int], max_tokens: int, method: str | None = None) -> str:
         backend = RemoteBackend(config_for(ngram_services), frozenset(), lambda ids: "")

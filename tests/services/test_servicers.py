@@ -280,3 +280,74 @@ def test_drafter_announces_quiet_steps_applies_them_in_order_and_refuses_bad_one
     assert probe.tree.tokens[0] == 4
     assert drafter.num_gated_steps == quiet + 1
     assert drafter.gate.drafting(5)  # the probe is due now: it drafts
+
+
+def verify_item(seq_id: int, num_committed: int, root: int, **fields) -> verifier_pb2.VerifyItem:
+    return verifier_pb2.VerifyItem(
+        ref=common_pb2.SeqRef(seq_id=seq_id, num_committed=num_committed),
+        tree=codec.encode_tree(TokenTree.root_only(root)),
+        **fields,
+    )
+
+
+def test_several_plain_steps_in_one_call_equal_one_call_each() -> None:
+    """``steps`` root-only decode steps in one Verify: the same tokens, KV rows and hidden
+    rows as that many single-step calls; a sequence asking fewer steps stops early."""
+    together, apart = verifier(), verifier()
+    prompts = {1: [1, 2, 3], 2: [4, 5, 6, 7]}
+    roots = {s: prefill(together, s, p) for s, p in prompts.items()}
+    assert roots == {s: prefill(apart, s, p) for s, p in prompts.items()}
+    request = verifier_pb2.VerifyRequest(
+        items=[
+            verify_item(1, 3, roots[1], steps=5, return_hidden=True),
+            verify_item(2, 4, roots[2], steps=2, return_hidden=True),
+        ]
+    )
+    results = together.Verify(request, FakeContext()).results
+    for result, steps in zip(results, (5, 2), strict=True):
+        seq_id, committed = result.ref.seq_id, len(prompts[result.ref.seq_id])
+        assert result.num_steps == steps and result.ref.num_committed == committed + steps
+        root, tokens, rows = roots[seq_id], [], []
+        for step in range(steps):
+            item = verify_item(seq_id, committed + step, root, return_hidden=True)
+            request = verifier_pb2.VerifyRequest(items=[item])
+            (single,) = apart.Verify(request, FakeContext()).results
+            assert list(single.committed) == [root] and single.num_steps == 1
+            root = single.tokens[-1]
+            tokens.append(root)
+            rows.append(codec.decode_tensor(single.hidden.tensor))
+        assert list(result.tokens) == tokens
+        assert list(result.committed) == [roots[seq_id], *tokens[:-1]]
+        # (close, not equal: the tiny model's fp32 path rounds by batch shape)
+        torch.testing.assert_close(codec.decode_tensor(result.hidden.tensor), torch.cat(rows))
+
+
+def test_several_steps_are_refused_for_a_drafted_tree_or_past_the_kv() -> None:
+    servicer = verifier()
+    root = prefill(servicer, 1, [1, 2, 3])
+    drafted = verify_item(1, 3, root, steps=2)
+    drafted.tree.CopyFrom(codec.encode_tree(TokenTree.chain(root, [4])))
+    cases = [
+        (drafted, grpc.StatusCode.INVALID_ARGUMENT),
+        (verify_item(1, 3, root, steps=65), grpc.StatusCode.INVALID_ARGUMENT),
+        (verify_item(1, 3, root, steps=126), grpc.StatusCode.INVALID_ARGUMENT),
+    ]
+    for item, code in cases:
+        with pytest.raises(Aborted) as error:
+            servicer.Verify(verifier_pb2.VerifyRequest(items=[item]), FakeContext())
+        assert error.value.args[0] == code
+    big = verifier()  # steps within the bound but past the 128 rows the sequence has
+    root = prefill(big, 1, [1] * 80)
+    with pytest.raises(Aborted) as error:
+        big.Verify(
+            verifier_pb2.VerifyRequest(items=[verify_item(1, 80, root, steps=49)]), FakeContext()
+        )
+    assert error.value.args[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert (
+        big.Verify(  # nothing was committed: the same sequence still verifies
+            verifier_pb2.VerifyRequest(items=[verify_item(1, 80, root, steps=48)]), FakeContext()
+        )
+        .results[0]
+        .ref.num_committed
+        == 128
+    )

@@ -8,10 +8,12 @@ import os
 import time
 
 from lyanna.drafters import DraftBudget, DraftCapacity, Drafter, VerifiedStep
+from lyanna.drafters.gate import DraftGate, GateConfig, GatedDrafter
 from lyanna.drafters.lyanna import LyannaDrafter
 from lyanna.drafters.ngram import NgramDrafter
 from lyanna.model.transformer import Transformer
 from lyanna.tree import TokenTree
+from lyanna.tree_cost import VerifyCost
 from tests.unit.test_lyanna_drafter import tiny_draft
 
 
@@ -49,3 +51,12 @@ class SlowDrafter:
 def slow_ngram(model: Transformer, budget: DraftBudget, capacity: DraftCapacity) -> SlowDrafter:
     """An n-gram drafter whose proposals take ``$LYANNA_TEST_PROPOSE_DELAY`` seconds."""
     return SlowDrafter(NgramDrafter(budget), float(os.environ["LYANNA_TEST_PROPOSE_DELAY"]))
+
+
+def gated_lyanna(
+    model: Transformer, budget: DraftBudget, capacity: DraftCapacity | None = None
+) -> GatedDrafter:
+    """``tiny_lyanna`` behind a gate that finds no draft worth its rows (a second row costs
+    three steps): it drafts only its probes, and announces the quiet steps in between."""
+    never_pays = VerifyCost((1, 2), (1.0, 3.0))
+    return GatedDrafter(tiny_lyanna(model, budget, capacity), DraftGate(never_pays, GateConfig()))
