@@ -1,11 +1,15 @@
 """Reading a committed drafter checkpoint directory: ``config.json``, ``model.safetensors``
 (fp16 weights, int64 index tensors) and ``manifest.json`` whose sha256 of the weights is
 checked before anything is loaded. safetensors only: nothing is ever unpickled.
+
+The committed checkpoints live in the repository's ``checkpoints/``; an installed package
+(a container image, a wheel) finds them where ``LYANNA_CHECKPOINTS`` points instead.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +19,14 @@ from safetensors.torch import load_file
 from lyanna.model.default import sha256_of
 
 WEIGHTS = "model.safetensors"
+CHECKPOINTS_ENV = "LYANNA_CHECKPOINTS"
+REPO_CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
+
+
+def checkpoint_dir(name: str) -> Path:
+    """The committed checkpoint ``name``: under ``$LYANNA_CHECKPOINTS`` when set, else the
+    repository's ``checkpoints/``."""
+    return Path(os.environ.get(CHECKPOINTS_ENV) or REPO_CHECKPOINTS) / name
 
 
 def read_checkpoint(path: str | Path, what: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

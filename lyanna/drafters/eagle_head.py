@@ -22,11 +22,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lyanna.drafters.checkpoint import read_checkpoint
+from lyanna.drafters.checkpoint import checkpoint_dir, read_checkpoint
 from lyanna.model.config import ModelConfig
 from lyanna.model.transformer import Block, rope_tables
 
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "eagle2-smollm2-135m"
+DEFAULT_CHECKPOINT = checkpoint_dir("eagle2-smollm2-135m")
 
 
 @dataclass(frozen=True, slots=True)

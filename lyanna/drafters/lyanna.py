@@ -20,7 +20,7 @@ import torch
 
 from lyanna.draft_nodes import DraftNodes
 from lyanna.drafters.base import DraftBudget, VerifiedStep
-from lyanna.drafters.checkpoint import read_checkpoint
+from lyanna.drafters.checkpoint import checkpoint_dir, read_checkpoint
 from lyanna.drafters.heads import (
     draft_weight_dtype,
     embedding_blocks,
@@ -36,7 +36,7 @@ from lyanna.model.quant import runs_q4
 from lyanna.model.transformer import ForwardContext, Transformer
 from lyanna.tree import TokenTree
 
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "lyanna-smollm2-135m"
+DEFAULT_CHECKPOINT = checkpoint_dir("lyanna-smollm2-135m")
 
 
 @dataclass(frozen=True, slots=True)

