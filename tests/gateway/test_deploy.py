@@ -15,6 +15,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
+import jsonschema
 import kubernetes_validate
 import pytest
 from yamllint import linter as yamllint_linter
@@ -28,6 +29,7 @@ from services.config import ServerConfig, parse_configs
 from services.drafter.server import DrafterConfig
 from services.metrics import DrafterMetrics, VerifierMetrics
 from services.verifier.server import VerifierConfig
+from tests.gateway import operator_schemas
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
@@ -335,3 +337,31 @@ def test_the_images_install_the_package_as_a_wheel_would(tmp_path) -> None:
     assert found.stdout.strip() == str(repo / "checkpoints" / "eagle2-smollm2-135m")
     missing = run(env={**env, "PYTHONPATH": str(target)}, capture_output=True)
     assert "no EAGLE" in missing.stderr or "FileNotFoundError" in missing.stderr
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_operator_objects_follow_the_operator_schemas(overlay: str) -> None:
+    docs = [d for (kind, _), d in documents(overlay).items() if kind in OPERATOR_KINDS]
+    assert {d["kind"] for d in docs} == set(OPERATOR_KINDS)
+    for doc in docs:
+        jsonschema.validate(doc, operator_schemas.SCHEMAS[doc["kind"]])
+
+
+def test_the_operator_schemas_refuse_what_the_api_server_would_drop_or_reject() -> None:
+    docs = documents()
+    monitor = docs[("ServiceMonitor", "lyanna-gateway")]
+    rule = docs[("PrometheusRule", "lyanna")]
+    broken = [
+        ("ServiceMonitor", monitor, ["spec", "endpoints", 0], "intreval", "15s"),  # misspelt
+        ("ServiceMonitor", monitor, ["spec", "endpoints", 0], "interval", "15 s"),
+        ("PrometheusRule", rule, ["spec", "groups", 0], "interval", "half a minute"),
+        ("PrometheusRule", rule, ["spec", "groups", 0, "rules", 0], "alert", "Both"),
+    ]
+    for kind, doc, path, key, value in broken:
+        copy = json.loads(json.dumps(doc))
+        node = copy
+        for step in path:
+            node = node[step]
+        node[key] = value
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(copy, operator_schemas.SCHEMAS[kind])
