@@ -161,6 +161,14 @@ def _add_serve(sub) -> None:
         default=True,
         help="services mode: asynchronous two-lane pipeline (--no-pipeline: draft, then verify)",
     )
+    serve.add_argument(
+        "--max-steps-per-call",
+        type=int,
+        default=int(os.environ.get("LYANNA_MAX_STEPS_PER_CALL", "8")),
+        help="services mode: plain decode steps one Verify call may run when no sequence of "
+        "its batch drafts (fewer round trips; tokens arrive in bursts of up to this many; "
+        "1 = one call per step; env LYANNA_MAX_STEPS_PER_CALL)",
+    )
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_cmd_serve)
 

@@ -151,6 +151,7 @@ def _serve_remote(
         max_running=args.max_running,
         max_waiting=args.max_waiting,
         queue_timeout=args.queue_timeout,
+        max_steps_per_call=args.max_steps_per_call,
         tls=config.services_tls(),
     )
     backend = RemoteBackend(remote, eos, make_detokenize(tokenizer))
