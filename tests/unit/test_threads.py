@@ -11,9 +11,30 @@ from lyanna import threads
     ("cpus", "requested", "reserved", "expected"),
     [(2, 0, 1, 1), (16, 0, 1, 15), (16, 0, 2, 14), (1, 0, 2, 1), (16, 3, 1, 3)],
 )
-def test_threads_leave_cores_to_the_server(monkeypatch, cpus, requested, reserved, expected):
+def test_threads_leave_cores_to_the_server(
+    monkeypatch, tmp_path, cpus, requested, reserved, expected
+):
     monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: set(range(cpus)))
-    assert threads.serving_threads(requested, reserved) == expected
+    assert threads.serving_threads(requested, reserved, cgroup=tmp_path) == expected
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        ({"cpu.max": "max 100000\n"}, 64),  # no limit: the affinity
+        ({"cpu.max": "800000 100000\n"}, 8),  # a limit of 8 CPUs on a 64-core node
+        ({"cpu.max": "150000 100000\n"}, 2),  # 1.5 CPUs: a second thread still has time
+        ({"cpu/cpu.cfs_quota_us": "400000", "cpu/cpu.cfs_period_us": "100000"}, 4),  # v1
+        ({"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}, 64),
+    ],
+)
+def test_a_container_cpu_limit_bounds_the_cpus(monkeypatch, tmp_path, files, expected) -> None:
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: set(range(64)))
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert threads.available_cpus(tmp_path) == expected
+    assert threads.serving_threads(cgroup=tmp_path) == max(1, expected - 1)
 
 
 def test_negative_counts_are_refused() -> None:
