@@ -28,6 +28,9 @@ from lyanna.tree_cost import VerifyCost
 ROWS = (1, 4)
 COST_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # verification forwards timed for the cost curve
 COST_CONTEXT = 256  # cached rows behind them
+# a cached cost curve is measured again when a one-row forward now takes outside this share
+# of what it recorded (it was measured on a busy machine, or the machine changed)
+STALE_BELOW, STALE_ABOVE = 0.7, 1.5
 
 
 def _cpu_name() -> str:
@@ -183,12 +186,26 @@ def verify_cost(model: Transformer) -> VerifyCost:
         seconds = forward_seconds(model, COST_ROWS)
         return {"ms": {str(r): round(s * 1e3, 3) for r, s in seconds.items()}}
 
-    entry = _cached(_key(model.config), kind, measure_curve)
+    def still_true(entry: dict) -> bool:
+        """A curve measured while the machine was busy (a build, a test suite) prices every
+        step too high, and a gate that believes it drafts where drafting loses (measured:
+        8.9 ms cached for a 3.0 ms step). A one-row forward timed now must agree."""
+        cached = entry["ms"]["1"] / 1e3
+        now = forward_seconds(model, (1,), repeats=5)[1]
+        return STALE_BELOW * cached <= now <= STALE_ABOVE * cached
+
+    entry = _cached(_key(model.config), kind, measure_curve, still_true)
     return VerifyCost.from_measurements({int(r): ms / 1e3 for r, ms in entry["ms"].items()})
 
 
-def _cached(key: str, kind: str, compute: Callable[[], dict]) -> dict:
-    """``compute()`` once per (machine key, kind); later calls read $LYANNA_CACHE."""
+def _cached(
+    key: str,
+    kind: str,
+    compute: Callable[[], dict],
+    still_true: Callable[[dict], bool] | None = None,
+) -> dict:
+    """``compute()`` once per (machine key, kind); later calls read $LYANNA_CACHE, unless
+    ``still_true`` says the cached entry no longer holds (then it is measured again)."""
     from lyanna.model.default import cache_root
 
     path = cache_root() / "calibration.json"
@@ -197,6 +214,8 @@ def _cached(key: str, kind: str, compute: Callable[[], dict]) -> dict:
     except (OSError, ValueError):
         cached = {}
     entry = cached.get(key, {}).get(kind)
+    if entry is not None and still_true is not None and not still_true(entry):
+        entry = None
     if entry is None:
         entry = compute()
         cached.setdefault(key, {})[kind] = entry

@@ -258,3 +258,36 @@ def test_forward_seconds_pairs_every_row_count_with_a_one_row_forward(monkeypatc
         assert seconds[r] - base == pytest.approx(0.25 * (r - 1), abs=0.011)
     alone = calibrate.forward_seconds(model, (2, 4), context=8, repeats=3)  # no 1-row count
     assert set(alone) == {2, 4} and alone[4] > alone[2]
+
+
+def test_a_curve_measured_on_a_busy_machine_is_measured_again(monkeypatch, tmp_path) -> None:
+    """Defect: the cost curve, measured once per machine, was measured during a build and a
+    test suite (8.9 ms cached for a 3.0 ms step), and every later gate drafted where drafting
+    lost. On a fake clock: a curve cached at 3x the speed of now is measured again; one that
+    still agrees is read back with only a short check."""
+    from lyanna.model import calibrate
+    from tests.conftest import make_tiny_model
+
+    monkeypatch.setenv("LYANNA_CACHE", str(tmp_path))
+    model = make_tiny_model(1, vocab_size=32)
+    clock = {"now": 0.0, "slowdown": 3.0, "calls": 0}
+    real_forward = type(model).forward
+
+    def fake_forward(self, tokens, positions, cache, slots, tree_mask=None):
+        out = real_forward(self, tokens, positions, cache, slots, tree_mask)
+        clock["calls"] += 1
+        clock["now"] += clock["slowdown"] * (1.0 + 0.25 * (tokens.shape[1] - 1))
+        return out
+
+    monkeypatch.setattr(type(model), "forward", fake_forward)
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock["now"])
+    busy = calibrate.verify_cost(model)
+    assert busy.forward_seconds(1) == pytest.approx(3.0)
+    clock["slowdown"] = 1.0  # the build is over
+    quiet = calibrate.verify_cost(model)
+    assert quiet.forward_seconds(1) == pytest.approx(1.0)
+    assert quiet.forward_seconds(2) == pytest.approx(1.25)
+    clock["calls"] = 0
+    again = calibrate.verify_cost(model)
+    assert again.forward_seconds(1) == pytest.approx(1.0)
+    assert clock["calls"] < 10  # the check (a prompt and a few one-row forwards) only
