@@ -13,6 +13,11 @@ plain steps (then after twice as many while it still does not pay). Where no dra
 pays at all, as for a 4-bit target on a CPU whose second row costs 30 % of a step, this is
 plain decoding with an occasional probe instead of a speculative method slower than it.
 
+A new sequence starts from what the drafter's earlier sequences of the same kind (greedy or
+sampled) accepted, not from an optimistic constant: at T = 1, where nothing a drafter of
+today proposes pays, each 64-token request used to spend its first steps drafting at a loss
+before its own average fell.
+
 A gated-off sequence stays off until its probe is due, so the steps it will not draft are
 known in advance (``quiet_steps``): a caller across a process boundary (the gateway in front
 of the drafter service) verifies those steps root-only without asking, and hands the drafter
@@ -38,10 +43,13 @@ class GateConfig:
     prior: float = 1.0  # a new sequence's expected accepted tokens per drafted step: draft
     probe_after: int = 4  # plain steps before a gated-off sequence drafts once to re-measure
     probe_max: int = 32  # the wait doubles after each probe that does not pay, up to this
+    # weight of one drafted step in the average over all sequences of a kind (greedy or
+    # sampled), which is where a new sequence of that kind starts (``prior`` before any)
+    population_alpha: float = 0.05
 
     def __post_init__(self) -> None:
-        if not 0 < self.alpha <= 1 or self.prior < 0:
-            raise ValueError("alpha must be in (0, 1] and prior >= 0")
+        if not 0 < self.alpha <= 1 or self.prior < 0 or not 0 <= self.population_alpha <= 1:
+            raise ValueError("alpha must be in (0, 1], population_alpha in [0, 1], prior >= 0")
         if not 1 <= self.probe_after <= self.probe_max:
             raise ValueError("need 1 <= probe_after <= probe_max")
 
@@ -53,6 +61,7 @@ class _SeqGate:
     waited: int = 0  # plain steps since the last drafted one
     probe_after: int = 0
     drafted: bool = False  # whether the step in flight was drafted
+    sampled: bool = False  # temperature > 0: its own population average
 
 
 class DraftGate:
@@ -63,9 +72,13 @@ class DraftGate:
         self.config = config or GateConfig()
         self.draft_seconds = 0.0  # running average of draft seconds per drafted sequence
         self._seqs: dict[int, _SeqGate] = {}
+        # accepted tokens per drafted step over every sequence, greedy (False) and sampled
+        self.population = {False: self.config.prior, True: self.config.prior}
 
-    def start(self, seq_id: int) -> None:
-        self._seqs[seq_id] = _SeqGate(self.config.prior, probe_after=self.config.probe_after)
+    def start(self, seq_id: int, sampled: bool = False) -> None:
+        self._seqs[seq_id] = _SeqGate(
+            self.population[sampled], probe_after=self.config.probe_after, sampled=sampled
+        )
 
     def release(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
@@ -118,6 +131,9 @@ class DraftGate:
             gate.waited += 1
             return
         gate.accepted += self.config.alpha * (num_accepted - gate.accepted)
+        population = self.population[gate.sampled]
+        population += self.config.population_alpha * (num_accepted - population)
+        self.population[gate.sampled] = population
         was_probe, gate.waited = gate.waited > 0, 0
         if self.pays(seq_id, 1):
             gate.probe_after = self.config.probe_after
@@ -142,7 +158,7 @@ class GatedDrafter:
 
     def start(self, seq_id, prompt_ids, prompt_hidden, first_token, params=None) -> None:
         self.inner.start(seq_id, prompt_ids, prompt_hidden, first_token, params)
-        self.gate.start(seq_id)
+        self.gate.start(seq_id, sampled=params is not None and not params.greedy)
         self.plain.start(seq_id, prompt_ids, None, first_token)
 
     def propose(self, seq_ids: list[int]) -> list[TokenTree]:

@@ -75,6 +75,24 @@ def test_quiet_steps_foretell_the_plain_steps_before_each_probe() -> None:
     assert checked == 120 - len(drafted) - 6
 
 
+def test_a_new_sequence_starts_from_what_earlier_ones_of_its_kind_accepted() -> None:
+    """Sampled sequences whose drafts never pay teach the gate: the next sampled sequence
+    starts gated off (drafting only its probes), while a greedy one, whose kind has shown
+    nothing yet, still starts from the prior and drafts."""
+    gate = DraftGate(HALF_STEP_ROW, GateConfig(population_alpha=0.2))
+    for seq_id in range(5):
+        gate.start(seq_id, sampled=True)
+        for _ in range(20):
+            (chosen,) = gate.choose([seq_id])
+            gate.verified(seq_id, 0)
+        gate.release(seq_id)
+    assert gate.population[True] < 0.2 and gate.population[False] == GateConfig().prior
+    gate.start(10, sampled=True)
+    gate.start(11, sampled=False)
+    assert gate.choose([10]) == [False] and gate.quiet_steps(10) == GateConfig().probe_after - 1
+    assert gate.choose([11]) == [True]
+
+
 def test_draft_time_raises_the_bar() -> None:
     gate = DraftGate(HALF_STEP_ROW, GateConfig(alpha=1.0))
     gate.start(0)
