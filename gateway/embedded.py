@@ -46,6 +46,7 @@ from lyanna.model.transformer import Transformer
 from lyanna.sampling import SamplingParams
 from lyanna.scheduler import TREE_MARGIN, Emitted
 from lyanna.sequence import Sequence
+from lyanna.threads import StepThreads
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +66,11 @@ class EmbeddedConfig:
     tree: str = "cost"  # cost: trees sized by the target's cost curve; fixed: the budget
     rule: str | None = None  # acceptance rule at T > 0; None = the drafter scheme's default
     drain_seconds: float = 30.0
+    threads: int = 0  # compute threads; 0 = by batch size (lyanna.threads.StepThreads)
 
     def __post_init__(self) -> None:
+        if self.threads < 0:
+            raise ValueError("threads must be >= 0")
         for method in (self.default_method, *self.fallback_methods):
             if method not in DRAFTERS:
                 raise ValueError(f"unknown method {method!r}; known: {sorted(DRAFTERS)}")
@@ -123,6 +127,7 @@ class EmbeddedBackend:
         self._handles: dict[int, _Handle] = {}  # worker thread only
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
+        self._threads = StepThreads.serving(self.config.threads)  # the engine thread's
         self._num_waiting = 0  # event loop only
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -267,6 +272,7 @@ class EmbeddedBackend:
                     break
                 self._admit()
                 if self.engine.running:
+                    self._threads.apply(len(self.engine.running))
                     self._run(self.engine.step)
         except Exception:  # the thread must report its death, not vanish silently
             logger.exception("embedded engine thread crashed")

@@ -56,7 +56,8 @@ def banner(config: GatewayConfig, method: str) -> str:
 
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    # embedded: the event loop beside the target; services: the drafter and the gateway too
+    # embedded: the event loop beside the target (and every core for large batches, see
+    # lyanna.threads.StepThreads); services: the drafter and the gateway beside the verifier
     threads = serving_threads(args.threads, reserved=1 if args.mode == "embedded" else 2)
     overrides = {
         "host": args.host,
@@ -73,7 +74,6 @@ def run_serve(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(threads)  # before the model loads and measures its cost curve
-    args.threads = threads
     SERVE_MODES[config.mode](args, config)
     return 0
 
@@ -86,6 +86,7 @@ def _serve_embedded(args: argparse.Namespace, config: GatewayConfig) -> None:
         max_waiting=args.max_waiting,
         queue_timeout=args.queue_timeout,
         tree=args.tree,
+        threads=args.threads,
     )
     holder: dict[str, FastAPI] = {}
 
@@ -109,7 +110,8 @@ def _serve_services(args: argparse.Namespace, config: GatewayConfig) -> None:
         return
     # one capacity for both services: a drafter with fewer slots would refuse sequences
     capacity = ("--max-running", str(args.max_running), "--max-len", str(args.max_len))
-    # the verifier gets the compute threads; the drafter (mostly small steps) one
+    # the verifier gets the compute threads (--threads, or by its batch size); the drafter
+    # (mostly small steps) one
     verifier_args = (*capacity, "--weights", args.weights, "--torch-threads", str(args.threads))
     # the drafter loads the target in the verifier's format to measure its cost curve
     drafter_args = (*capacity, "--weights", args.weights, "--tree", args.tree)

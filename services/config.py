@@ -34,7 +34,9 @@ class ServerConfig:
     grace_seconds: float = 10.0  # SIGTERM: in-flight calls get this long to finish
     workers: int = 8  # gRPC handler threads (model work is serialized by a lock)
     max_concurrent_rpcs: int = 64  # beyond this, calls are shed with RESOURCE_EXHAUSTED
-    torch_threads: int = 0  # 0 = the CPUs less one for the gRPC threads (lyanna.threads)
+    # 0 = the CPUs less one for the gRPC threads (the verifier: every CPU from 4 sequences a
+    # call, lyanna.threads.StepThreads)
+    torch_threads: int = 0
     # torch.distributed data plane for hidden states: "grpc" (inline, no data plane), "gloo"
     # (CPU) or "nccl" (GPU); the verifier is rank 0, the drafter rank 1.
     plane: str = "grpc"

@@ -22,7 +22,7 @@ from lyanna.model import load_model
 from lyanna.model.loader import WEIGHT_FORMATS
 from lyanna.sampling import SamplingParams
 from lyanna.target import TargetConfig, TargetRunner, Verified
-from lyanna.threads import serving_threads
+from lyanna.threads import StepThreads
 from lyanna.tree import TokenTree
 from services import codec
 from services.config import ServerConfig, parse_configs
@@ -60,9 +60,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         config: VerifierConfig,
         sender: HiddenSender,
         model_name: str = "",
+        threads: StepThreads | None = None,
     ) -> None:
         self.runner = runner
         self.config = config
+        self.threads = threads  # None: leave torch's thread count alone
         self.sender = sender
         self.model_name = model_name
         self.vocab_size = runner.model.config.vocab_size
@@ -144,6 +146,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                         f"sequence {item.ref.seq_id} has no room for a {tree.num_nodes}-node "
                         f"tree and {max(item.steps, 1)} steps",
                     )
+            if self.threads is not None:
+                self.threads.apply(len(items))
             start = time.perf_counter()
             want_hidden = [item.return_hidden for item in items]
             steps = [max(item.steps, 1) for item in items]
@@ -283,8 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s verifier %(message)s")
     exit_with_parent()
-    torch.set_num_threads(serving_threads(server_config.torch_threads))
+    threads = StepThreads.serving(server_config.torch_threads)
+    threads.apply(1)  # the small batch's count while the model loads and is measured
     servicer = build_servicer(config, server_config)
+    servicer.threads = threads
 
     def add(server: grpc.Server) -> None:
         verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)

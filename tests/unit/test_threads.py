@@ -42,3 +42,16 @@ def test_negative_counts_are_refused() -> None:
         threads.serving_threads(-1)
     with pytest.raises(ValueError):
         threads.serving_threads(0, reserved=-1)
+
+
+def test_step_threads_take_every_core_for_large_batches_and_tell_torch_once(monkeypatch) -> None:
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: set(range(4)))
+    monkeypatch.setattr(threads, "cpu_quota", lambda cgroup=None: None)
+    calls = []
+    monkeypatch.setattr(threads.torch, "set_num_threads", calls.append)
+    policy = threads.StepThreads.serving()
+    assert (policy.small, policy.large) == (3, 4)
+    assert [policy.apply(n) for n in (1, 2, 4, 16, 3)] == [3, 3, 4, 4, 3]
+    assert calls == [3, 4, 3]  # only when the count changes
+    fixed = threads.StepThreads.serving(requested=2)
+    assert {fixed.for_batch(n) for n in (1, 4, 16)} == {2}
