@@ -114,9 +114,9 @@ def _add_serve(sub) -> None:
         "--threads",
         type=int,
         default=int(os.environ.get("LYANNA_THREADS", "0")),
-        help="compute threads of the target (embedded) or the verifier (services); 0 = the "
-        "CPUs less one (embedded: the event loop) or two (services: drafter, gateway), at "
-        "least 1: a team using every core stalls whenever another thread runs "
+        help="compute threads of the target (embedded) or the verifier (services), fixed; "
+        "0 = by batch size: the CPUs less one below 4 running sequences (a team using every "
+        "core stalls whenever the server's threads run), every CPU from there "
         "(env LYANNA_THREADS)",
     )
     serve.add_argument("--max-running", type=int, default=8, help="running sequences per engine")

@@ -56,9 +56,6 @@ def banner(config: GatewayConfig, method: str) -> str:
 
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    # embedded: the event loop beside the target (and every core for large batches, see
-    # lyanna.threads.StepThreads); services: the drafter and the gateway beside the verifier
-    threads = serving_threads(args.threads, reserved=1 if args.mode == "embedded" else 2)
     overrides = {
         "host": args.host,
         "port": args.port,
@@ -70,10 +67,10 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.model:
         overrides["model_name"] = Path(args.model).stem
     config = GatewayConfig.from_env(**overrides)
-    if config.mode == "embedded":
-        import torch
+    if config.mode == "embedded":  # the small batches' count (StepThreads) while the model
+        import torch  # loads and measures its cost curve; larger batches take every core
 
-        torch.set_num_threads(threads)  # before the model loads and measures its cost curve
+        torch.set_num_threads(serving_threads(args.threads))
     SERVE_MODES[config.mode](args, config)
     return 0
 
