@@ -94,6 +94,13 @@ def _add_weights(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_env_int(parser: argparse.ArgumentParser, flag: str, default: int, help: str) -> None:
+    """An integer flag whose default comes from ``LYANNA_<FLAG>`` when set."""
+    env = "LYANNA_" + flag.lstrip("-").replace("-", "_").upper()
+    value = int(os.environ.get(env, str(default)))
+    parser.add_argument(flag, type=int, default=value, help=f"{help} (env {env})")
+
+
 def _add_serve(sub) -> None:
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
     serve.add_argument("--mode", choices=("embedded", "services"), default="embedded")
@@ -110,14 +117,13 @@ def _add_serve(sub) -> None:
         "target's cost curve, measured once per machine); fixed: every method's full "
         "default budget (env LYANNA_TREE)",
     )
-    serve.add_argument(
+    _add_env_int(
+        serve,
         "--threads",
-        type=int,
-        default=int(os.environ.get("LYANNA_THREADS", "0")),
-        help="compute threads of the target (embedded) or the verifier (services), fixed; "
-        "0 = by batch size: the CPUs less one below 4 running sequences (a team using every "
-        "core stalls whenever the server's threads run), every CPU from there "
-        "(env LYANNA_THREADS)",
+        0,
+        "compute threads of the target (embedded) or the verifier (services), fixed; 0 = by "
+        "batch size: the CPUs less one below 4 running sequences (a team using every core "
+        "stalls whenever the server's threads run), every CPU from there",
     )
     serve.add_argument("--max-running", type=int, default=8, help="running sequences per engine")
     serve.add_argument("--max-len", type=int, default=2048, help="KV rows per sequence")
@@ -161,13 +167,13 @@ def _add_serve(sub) -> None:
         default=True,
         help="services mode: asynchronous two-lane pipeline (--no-pipeline: draft, then verify)",
     )
-    serve.add_argument(
+    _add_env_int(
+        serve,
         "--max-steps-per-call",
-        type=int,
-        default=int(os.environ.get("LYANNA_MAX_STEPS_PER_CALL", "8")),
-        help="services mode: plain decode steps one Verify call may run when no sequence of "
-        "its batch drafts (fewer round trips; tokens arrive in bursts of up to this many; "
-        "1 = one call per step; env LYANNA_MAX_STEPS_PER_CALL)",
+        8,
+        "services mode: plain decode steps one Verify call may run when no sequence of its "
+        "batch drafts (fewer round trips; tokens arrive in bursts of up to this many; 1 = one "
+        "call per step)",
     )
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_cmd_serve)

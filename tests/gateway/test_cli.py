@@ -81,3 +81,14 @@ def test_chat_session_keeps_the_conversation(gateway, capsys) -> None:
     assert first.acceptance_length is not None and first.method == "ngram"
     assert "tokens/s" in first.line() and "acceptance length" in first.line()
     assert capsys.readouterr().out.count("\n") == 2
+
+
+def test_serve_integer_flags_take_their_defaults_from_the_environment(monkeypatch) -> None:
+    from gateway.cli import build_parser
+
+    assert build_parser().parse_args(["serve"]).max_steps_per_call == 8
+    monkeypatch.setenv("LYANNA_MAX_STEPS_PER_CALL", "3")
+    monkeypatch.setenv("LYANNA_THREADS", "2")
+    args = build_parser().parse_args(["serve"])
+    assert (args.max_steps_per_call, args.threads) == (3, 2)
+    assert build_parser().parse_args(["serve", "--threads", "1"]).threads == 1  # flag wins
