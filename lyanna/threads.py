@@ -6,8 +6,8 @@ or gRPC, a detokenizer, a neighbouring service) takes one of them. Measured on a
 machine: embedded serving at concurrency 1 ran at 96 tokens/s with 2 threads and 190 with 1,
 although a bare forward is 1.3-1.8x faster on 2 threads than on 1. A step over a large
 batch is long next to the serving work it waits on, and there every core pays: at
-concurrency 16 the same server ran at 354 tokens/s on 1 thread and 443-465 with all cores
-from 8 sequences on (``StepThreads``).
+concurrency 16 the same server ran at 354 tokens/s on 1 thread and 466 with every core from
+4 running sequences on (``StepThreads``).
 """
 
 from __future__ import annotations

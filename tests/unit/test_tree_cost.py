@@ -264,7 +264,7 @@ def test_a_curve_measured_on_a_busy_machine_is_measured_again(monkeypatch, tmp_p
     """Defect: the cost curve, measured once per machine, was measured during a build and a
     test suite (8.9 ms cached for a 3.0 ms step), and every later gate drafted where drafting
     lost. On a fake clock: a curve cached at 3x the speed of now is measured again; one that
-    still agrees is read back with only a short check."""
+    still agrees is read back with only a short check, once per process."""
     from lyanna.model import calibrate
     from tests.conftest import make_tiny_model
 
@@ -281,13 +281,20 @@ def test_a_curve_measured_on_a_busy_machine_is_measured_again(monkeypatch, tmp_p
 
     monkeypatch.setattr(type(model), "forward", fake_forward)
     monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock["now"])
+    monkeypatch.setattr(calibrate, "_CHECKED", set())
     busy = calibrate.verify_cost(model)
     assert busy.forward_seconds(1) == pytest.approx(3.0)
     clock["slowdown"] = 1.0  # the build is over
+    assert calibrate.verify_cost(model).forward_seconds(1) == pytest.approx(3.0)  # same process
+    calibrate._CHECKED.clear()  # a new process starts
     quiet = calibrate.verify_cost(model)
     assert quiet.forward_seconds(1) == pytest.approx(1.0)
     assert quiet.forward_seconds(2) == pytest.approx(1.25)
+    calibrate._CHECKED.clear()
     clock["calls"] = 0
     again = calibrate.verify_cost(model)
     assert again.forward_seconds(1) == pytest.approx(1.0)
-    assert clock["calls"] < 10  # the check (a prompt and a few one-row forwards) only
+    assert 0 < clock["calls"] < 10  # the check (a prompt and a few one-row forwards) only
+    clock["calls"] = 0
+    calibrate.verify_cost(model)
+    assert clock["calls"] == 0  # checked once per process
