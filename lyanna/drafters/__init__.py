@@ -20,10 +20,15 @@ def _ar(model: Transformer, budget: DraftBudget, capacity: DraftCapacity) -> Dra
     return NoDrafter()
 
 
-def _ngram(model: Transformer, budget: DraftBudget, capacity: DraftCapacity) -> Drafter:
-    from lyanna.drafters.ngram import NgramDrafter
+def _ngram_variant(corpus: bool) -> DrafterFactory:
+    def factory(model: Transformer, budget: DraftBudget, capacity: DraftCapacity) -> Drafter:
+        from lyanna.drafters.ngram import NgramDrafter
+        from lyanna.drafters.ngram_store import load_default_store
 
-    return NgramDrafter(budget)
+        store = load_default_store(model.config.vocab_size) if corpus else None
+        return NgramDrafter(budget, store=store)
+
+    return factory
 
 
 def _eagle(model: Transformer, budget: DraftBudget, capacity: DraftCapacity) -> Drafter:
@@ -65,7 +70,9 @@ def _lyanna_variant(resample_enabled: bool, fusion: bool) -> DrafterFactory:
 DRAFTERS: Mapping[str, DrafterFactory] = MappingProxyType(
     {
         "ar": _ar,
-        "ngram": _ngram,
+        # the request's text, then what the target wrote in its training answers
+        "ngram": _ngram_variant(corpus=True),
+        "ngram-prompt": _ngram_variant(corpus=False),  # the request's text only
         "sps": _sps,
         "eagle": _eagle,
         "lyanna": _lyanna_variant(resample_enabled=True, fusion=True),
@@ -87,6 +94,7 @@ DRAFTERS: Mapping[str, DrafterFactory] = MappingProxyType(
 DEFAULT_BUDGETS: Mapping[str, DraftBudget] = MappingProxyType(
     {
         "ngram": DraftBudget(depth=3, top_k=2, max_tokens=8),
+        "ngram-prompt": DraftBudget(depth=3, top_k=2, max_tokens=8),
         "sps": DraftBudget(depth=3, top_k=2, max_tokens=8),
         "eagle": DraftBudget(depth=5, top_k=2, max_tokens=8),
         "lyanna": DraftBudget(depth=3, top_k=2, max_tokens=8),
@@ -112,6 +120,8 @@ def default_budget(method: str, model: Transformer | None = None) -> DraftBudget
 
 
 TREE_MODES = ("cost", "fixed")
+# methods that run no draft network: the only ones next to a target off the CPU (a GPU)
+MODEL_FREE_METHODS = ("ar", "ngram")
 
 
 def tree_budget(
@@ -144,11 +154,17 @@ def make_drafter(
         factory = DRAFTERS[name]
     except KeyError:
         raise KeyError(f"unknown method {name!r}; known: {sorted(DRAFTERS)}") from None
+    device = model.embed_tokens.weight.device
+    if device.type != "cpu" and name not in MODEL_FREE_METHODS:
+        raise ValueError(
+            f"the {name!r} drafter runs on the CPU only (its draft KV, trees and sampling are "
+            f"CPU tensors); the target is on {device}: serve {MODEL_FREE_METHODS} there"
+        )
     budget = budget or default_budget(name, model)
     drafter = factory(model, budget, capacity or DraftCapacity())
     # n-gram drafting costs no forward, and its empty drafts (no match) cost no rows: ungated
     # (measured: gating it cost tau 1.25 -> 1.09, 1.05x -> 1.02x; docs/benchmarks.md)
-    if gate and budget.cost is not None and name not in ("ar", "ngram"):
+    if gate and budget.cost is not None and name not in ("ar", "ngram", "ngram-prompt"):
         from lyanna.drafters.gate import DraftGate, GatedDrafter
 
         drafter = GatedDrafter(drafter, DraftGate(budget.cost))

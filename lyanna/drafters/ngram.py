@@ -1,5 +1,11 @@
 """N-gram drafter: no model, a trie of continuations of the current suffix.
 
+Two sources, tried in order: the request's own text (prompt lookup), when a suffix of at
+least ``HISTORY_MIN_N`` tokens occurred in it before; else a corpus store of what the target
+itself wrote after the longest known suffix (``NgramStore``, optional); else a one-token
+suffix of the request's text. Each source keeps its own gain calibration, since their
+frequencies are worth different numbers of accepted tokens.
+
 Every sequence keeps an index from each n-gram (n = 1..max_n) of its prompt and its own output
 to the positions that follow it. To draft, the longest suffix of the history (ending at the
 pending root token) that occurred before selects those positions; their continuations form a
@@ -14,15 +20,21 @@ by ``c a b ...`` and ``d a b ...``, so the root gets children ``c`` and ``d`` (w
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 from dataclasses import dataclass
 
 from lyanna.draft_nodes import DraftNodes
 from lyanna.drafters.base import DraftBudget, VerifiedStep
+from lyanna.drafters.ngram_store import NgramStore
 from lyanna.tree import DraftScheme, TokenTree
 from lyanna.tree_cost import GainCalibration
 
 MAX_MATCHES = 64  # most recent occurrences of the suffix that feed the trie
+# a shorter match in the request's own text loses to the corpus store (measured on Spec-Bench
+# greedy answers, offline with the cost curve: one-token matches right 0.12-0.15 of the time)
+HISTORY_MIN_N = 2
+HISTORY, STORE = 0, 1  # where a sequence's last draft came from
 
 
 @dataclass(slots=True)
@@ -35,11 +47,21 @@ class NgramDrafter:
     scheme = DraftScheme.TOPK
     needs_hidden = False
 
-    def __init__(self, budget: DraftBudget | None = None, max_n: int = 3) -> None:
+    def __init__(
+        self, budget: DraftBudget | None = None, max_n: int = 3, store: NgramStore | None = None
+    ) -> None:
         self.budget = budget or DraftBudget()
-        self.calibration = GainCalibration()  # what the predicted gains are worth
+        # what each source's predicted gains are worth (HISTORY, STORE)
+        self.calibrations = (GainCalibration(), GainCalibration())
         self.max_n = max_n
+        self.store = store
         self._seqs: dict[int, _History] = {}
+        self._sources: dict[int, int] = {}  # sequence -> source of its pending draft
+
+    @property
+    def calibration(self) -> GainCalibration:
+        """The request-text source's calibration."""
+        return self.calibrations[HISTORY]
 
     def start(self, seq_id, prompt_ids, prompt_hidden, first_token, params=None) -> None:
         history = _History([], defaultdict(list))
@@ -47,7 +69,11 @@ class NgramDrafter:
         self._extend(history, [*prompt_ids, first_token])
 
     def on_verified(self, steps: list[VerifiedStep]) -> dict[int, int]:
-        self.calibration.verified(sum(step.num_accepted for step in steps))
+        accepted = [0, 0]
+        for step in steps:
+            accepted[self._sources.pop(step.seq_id, HISTORY)] += step.num_accepted
+        for calibration, tokens in zip(self.calibrations, accepted, strict=True):
+            calibration.verified(tokens)
         for step in steps:
             # committed[0] is the old root, already in the history
             self._extend(self._seqs[step.seq_id], [*step.committed[1:], step.next_token])
@@ -55,10 +81,15 @@ class NgramDrafter:
 
     def release(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
+        self._sources.pop(seq_id, None)
 
     def propose(self, seq_ids: list[int]) -> list[TokenTree]:
-        nodes = [self._candidates(self._seqs[s]) for s in seq_ids]
-        calibrations = [self.calibration] * len(nodes)
+        nodes, calibrations = [], []
+        for seq_id in seq_ids:
+            candidates, source = self._candidates(self._seqs[seq_id])
+            self._sources[seq_id] = source
+            nodes.append(candidates)
+            calibrations.append(self.calibrations[source])
         return [n.to_tree() for n in self.budget.prune(nodes, calibrations=calibrations)]
 
     def _extend(self, history: _History, new_tokens: list[int]) -> None:
@@ -69,20 +100,55 @@ class NgramDrafter:
             for n in range(1, min(self.max_n, end) + 1):
                 history.index[tuple(tokens[end - n :])].append(end)
 
-    def _candidates(self, history: _History) -> DraftNodes:
+    def _candidates(self, history: _History) -> tuple[DraftNodes, int]:
         tokens = history.tokens
         root = tokens[-1]
         end = len(tokens)
         starts: list[int] = []
         for n in range(min(self.max_n, end), 0, -1):
+            if n < HISTORY_MIN_N and self.store is not None:
+                from_store = self._from_store(tokens)
+                if from_store is not None:
+                    return from_store, STORE
             starts = [p for p in history.index.get(tuple(tokens[end - n :]), ()) if p < end]
             if starts:
                 break
         if not starts:
-            return DraftNodes([root], [-1], [1.0])
+            return DraftNodes([root], [-1], [1.0]), HISTORY
         depth = self.budget.depth
         continuations = [tokens[p : p + depth] for p in starts[-MAX_MATCHES:]]
-        return self._trie(root, continuations)
+        return self._trie(root, continuations), HISTORY
+
+    def _from_store(self, tokens: list[int]) -> DraftNodes | None:
+        """The store's continuations, best-first by joint share: each expanded node looks
+        up its own context (the history plus the path to it), at most ``max_tokens``
+        expansions, ``top_k`` children each, down to ``depth``."""
+        store, budget = self.store, self.budget
+        context = tokens[-store.config.max_n :]
+        first = store.continuations(context)
+        if first is None:
+            return None
+        nodes = DraftNodes([tokens[-1]], [-1], [1.0])
+        paths: list[list[int]] = [[]]
+        frontier = [(-1.0, 0, first)]  # (-joint share, node, its continuations)
+        joint = [1.0]
+        expansions = 0
+        while frontier and expansions < budget.max_tokens:
+            _, node, found = heapq.heappop(frontier)
+            expansions += 1
+            _, next_tokens, shares = found
+            for token, share in list(zip(next_tokens, shares, strict=True))[: budget.top_k]:
+                child = len(nodes.tokens)
+                nodes.tokens.append(token)
+                nodes.parents.append(node)
+                nodes.probs.append(share)
+                joint.append(joint[node] * share)
+                paths.append([*paths[node], token])
+                if len(paths[child]) < budget.depth:
+                    more = store.continuations((context + paths[child])[-store.config.max_n :])
+                    if more is not None:
+                        heapq.heappush(frontier, (-joint[child], child, more))
+        return nodes
 
     def _trie(self, root: int, continuations: list[list[int]]) -> DraftNodes:
         """Trie of the continuations, top_k children per node by frequency."""
