@@ -29,8 +29,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from lyanna.sequence import Sequence
     from lyanna.tokenizer import chat_prompt_ids, load_tokenizer
 
+    device, dtype = placement(args)
     model_path = Path(args.model) if args.model else fetch_default_model()
-    model = load_model(model_path, weights=args.weights)
+    model = load_model(model_path, dtype, device, weights=args.weights)
     tokenizer = load_tokenizer(model_path)
     params = SamplingParams(
         temperature=args.temperature,
@@ -94,6 +95,47 @@ def _add_weights(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_placement(parser: argparse.ArgumentParser, services: bool = False) -> None:
+    """``--device`` and ``--dtype`` with defaults from ``LYANNA_DEVICE`` / ``LYANNA_DTYPE``;
+    a malformed value is a usage error; ``placement`` checks the rest (CUDA present, the
+    weight format) before anything loads."""
+    from lyanna.model.device import DTYPES, parse_device, parse_dtype
+
+    def checked(parse):
+        def convert(text: str) -> str:
+            try:
+                parse(text)
+            except ValueError as err:
+                raise argparse.ArgumentTypeError(str(err)) from None
+            return text
+
+        return convert
+
+    where = "the target (embedded) or both services (services mode)" if services else "the model"
+    parser.add_argument(
+        "--device",
+        type=checked(lambda name: parse_device(name, usable_here=False)),
+        default=os.environ.get("LYANNA_DEVICE", "cpu"),
+        help=f"where {where} runs: cpu, cuda or cuda:N; off the CPU only the ngram and ar "
+        "methods draft (env LYANNA_DEVICE)",
+    )
+    parser.add_argument(
+        "--dtype",
+        type=checked(parse_dtype),
+        default=os.environ.get("LYANNA_DTYPE", "float32"),
+        help=f"the weights' and KV cache's dtype: {', '.join(DTYPES)}; bf16 on a GPU; the 4-bit "
+        "--weights need float32 on the CPU (auto picks dense elsewhere) (env LYANNA_DTYPE)",
+    )
+
+
+def placement(args: argparse.Namespace):
+    """The parsed ``(device, dtype)`` of ``args``: a CUDA device must be usable here, and
+    the weight format must run there (``ValueError`` otherwise)."""
+    from lyanna.model.device import parse_placement
+
+    return parse_placement(args.device, args.dtype, args.weights)
+
+
 def _add_env_int(parser: argparse.ArgumentParser, flag: str, default: int, help: str) -> None:
     """An integer flag whose default comes from ``LYANNA_<FLAG>`` when set."""
     env = "LYANNA_" + flag.lstrip("-").replace("-", "_").upper()
@@ -109,6 +151,7 @@ def _add_serve(sub) -> None:
     serve.add_argument("--method", default="lyanna", help="default speculative method")
     serve.add_argument("--model", help="an HF directory or .gguf (default: SmolLM2-135M)")
     _add_weights(serve)
+    _add_placement(serve, services=True)
     serve.add_argument(
         "--tree",
         choices=("cost", "fixed"),
@@ -203,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--model", help="a .gguf file or HF directory (default: SmolLM2-135M)")
     _add_weights(gen)
+    _add_placement(gen)
     gen.add_argument("--max-tokens", type=int, default=256)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)

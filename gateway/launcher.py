@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from gateway.app import create_app
+from gateway.cli import placement
 from gateway.config import GatewayConfig
 from gateway.embedded import EmbeddedConfig
 from gateway.server import embedded_app, load, serve
@@ -67,6 +68,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.model:
         overrides["model_name"] = Path(args.model).stem
     config = GatewayConfig.from_env(**overrides)
+    if config.mode == "embedded" or not args.verifier_addr:  # a model loads here, or in the
+        # services started here: CUDA present, q4 only on CPU float32 - checked before it does
+        placement(args)
     if config.mode == "embedded":  # the small batches' count (StepThreads) while the model
         import torch  # loads and measures its cost curve; larger batches take every core
 
@@ -90,7 +94,9 @@ def _serve_embedded(args: argparse.Namespace, config: GatewayConfig) -> None:
     def ready() -> None:
         print(banner(config, holder["app"].state.backend.default_method), flush=True)
 
-    holder["app"] = embedded_app(load(args.model, args.weights), config, embedded, ready)
+    device, dtype = placement(args)
+    loaded = load(args.model, args.weights, device=device, dtype=dtype)
+    holder["app"] = embedded_app(loaded, config, embedded, ready)
     serve(holder["app"], config, args.log_level)
 
 
@@ -107,11 +113,13 @@ def _serve_services(args: argparse.Namespace, config: GatewayConfig) -> None:
         return
     # one capacity for both services: a drafter with fewer slots would refuse sequences
     capacity = ("--max-running", str(args.max_running), "--max-len", str(args.max_len))
+    # both load the target in one format, on one device, in one dtype: the verifier serves
+    # it, the drafter measures its cost curve on it (and takes its hidden rows in its dtype)
+    target = ("--weights", args.weights, "--device", args.device, "--dtype", args.dtype)
     # the verifier gets the compute threads (--threads, or by its batch size); the drafter
     # (mostly small steps) one
-    verifier_args = (*capacity, "--weights", args.weights, "--torch-threads", str(args.threads))
-    # the drafter loads the target in the verifier's format to measure its cost curve
-    drafter_args = (*capacity, "--weights", args.weights, "--tree", args.tree)
+    verifier_args = (*capacity, *target, "--torch-threads", str(args.threads))
+    drafter_args = (*capacity, *target, "--tree", args.tree)
     for method in dict.fromkeys((args.method, *FALLBACK_METHODS)):
         try:
             deployment = launch(

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import uvicorn
 from fastapi import FastAPI
 
@@ -27,14 +28,19 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
 
 
-def load(model_dir: str | Path | None = None, weights: str = "auto") -> LoadedModel:
+def load(
+    model_dir: str | Path | None = None,
+    weights: str = "auto",
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> LoadedModel:
     """The target model and its tokenizer (default: SmolLM2-135M-Instruct, fetched once);
-    ``weights`` as in ``lyanna.model.load_model``."""
+    ``weights``, ``device`` and ``dtype`` as in ``lyanna.model.load_model``."""
     from lyanna.model import fetch_default_model, load_model
     from lyanna.tokenizer import load_tokenizer
 
     path = Path(model_dir) if model_dir else fetch_default_model()
-    model = load_model(path, weights=weights)
+    model = load_model(path, dtype, device, weights=weights)
     tokenizer = load_tokenizer(path)
     return LoadedModel(model, tokenizer, eos_ids(tokenizer, model))
 

@@ -112,7 +112,7 @@ class KVCache:
         if num_keep and (max(keep) + start >= self.max_len or min(keep) < 0):
             raise CacheFullError("commit refers to rows outside the slot")
         if keep != list(range(num_keep)):  # a prefix is already where it belongs
-            src = torch.tensor(keep, dtype=torch.int64) + start
+            src = torch.tensor(keep, dtype=torch.int64, device=self.keys.device) + start
             self.keys[:, slot, :, start : start + num_keep] = self.keys[:, slot, :, src]
             self.values[:, slot, :, start : start + num_keep] = self.values[:, slot, :, src]
         self.lengths[slot] = start + num_keep

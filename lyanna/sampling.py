@@ -116,6 +116,7 @@ def sample_distinct(
     Rows with fewer than k possible tokens pad with zero-probability tokens, which callers
     drop (the draw cannot produce them)."""
     noise = torch.empty(probs.shape, dtype=torch.float64).exponential_(generator=generator)
+    noise = noise.to(probs.device)  # drawn on the CPU generator wherever the rows live
     keys = probs.double().log() - noise.log()
     keys = keys.masked_fill(probs <= 0, -math.inf)
     return keys.topk(k, dim=-1).indices
@@ -127,6 +128,7 @@ def sample(
 ) -> torch.Tensor:  # [n] int64
     """One token per row by inverse-CDF sampling with a single uniform per row."""
     u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64)
+    u = u.to(probs.device)  # drawn on the CPU generator wherever the rows live
     cdf = probs.double().cumsum(dim=-1)
     idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
     return idx.clamp_(max=probs.shape[-1] - 1)

@@ -164,8 +164,9 @@ class TargetRunner:
         for index, (state, tree, rule) in enumerate(zip(states, trees, rules, strict=True)):
             row = row_of[index]
             rows = logits[row, : tree.num_nodes]  # [num_nodes, vocab]
-            if not state.params.greedy:
-                rows = logits_to_probs(rows, state.params.temperature, state.params.top_p)
+            if not state.params.greedy:  # the sampling rules draw on CPU generators and
+                # meet the trees' CPU draft rows: a GPU model's rows go to the CPU first
+                rows = logits_to_probs(rows.cpu(), state.params.temperature, state.params.top_p)
             verdict = rule(tree, rows, state.generator)
             self.cache.commit(state.slot, verdict.path)
             state.next_token = verdict.tokens[-1]

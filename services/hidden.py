@@ -74,9 +74,11 @@ class HiddenReceiver:
         dtype: torch.dtype,
         plane: DataPlane | None = None,
         limits: codec.TensorLimits = codec.DEFAULT_LIMITS,
+        device: torch.device | str = "cpu",  # the drafter model's: rows are handed over there
     ) -> None:
         self.hidden_size = hidden_size
         self.dtype = dtype
+        self.device = torch.device(device)
         self.plane = plane
         self.limits = limits
         self._received: dict[int, torch.Tensor] = {}  # transfer id -> [total_rows, hidden]
@@ -100,7 +102,7 @@ class HiddenReceiver:
                 f"hidden states must have shape [{num_rows}, {self.hidden_size}], "
                 f"got {list(rows.shape)}"
             )
-        return rows
+        return rows.to(self.device)  # a no-op on the CPU
 
     def discard(self, ref: common_pb2.PlaneRef) -> None:
         """Receive a transfer nobody will read (its sequences finished or lost step) and drop
@@ -130,7 +132,8 @@ class HiddenReceiver:
         if batch is None:
             self._check_fresh(ref.transfer_id)
             shape = (ref.total_rows, self.hidden_size)
-            batch = self.plane.recv(ref.transfer_id, shape, self.dtype)
+            # the verifier's dtype (its model's), converted as inline rows are
+            batch = self.plane.recv(ref.transfer_id, shape, None).to(self.dtype)
             self._received[ref.transfer_id] = batch
             self._done.add(ref.transfer_id)
             self._newest = max(self._newest, ref.transfer_id)

@@ -109,7 +109,7 @@ class LyannaDrafter(SampledDrafting):
         self._start_sampling(seq_id, params)
         following = torch.tensor([*prompt_ids[1:], first_token])
         with torch.inference_mode():
-            pending = self.draft.fuse(prompt_hidden, following)
+            pending = self.draft.fuse(self._own_dtype(prompt_hidden), following)
         self.seqs[seq_id] = _SeqState(self.cache.allocate(), first_token, pending, 0)
 
     def on_verified(self, steps: list[VerifiedStep]) -> dict[int, int]:
@@ -119,7 +119,7 @@ class LyannaDrafter(SampledDrafting):
             state = self.seqs[step.seq_id]
             following = torch.tensor([*step.committed[1:], step.next_token])
             with torch.inference_mode():
-                fused = self.draft.fuse(step.hidden, following)
+                fused = self.draft.fuse(self._own_dtype(step.hidden), following)
             state.pending = torch.cat([state.pending, fused])
             if count := _resampled_accepted(state, step):
                 resampled[step.seq_id] = count
@@ -174,6 +174,11 @@ class LyannaDrafter(SampledDrafting):
         return [nodes.to_tree() for nodes in trees]
 
     # -- internals -------------------------------------------------------------------------
+
+    def _own_dtype(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's hidden rows in the draft's own dtype (a bf16 target's rows run
+        through a float32 draft; a no-op when they agree)."""
+        return hidden.to(self.draft.out_norm.weight.dtype)
 
     @torch.inference_mode()
     def _fresh_trees(

@@ -89,7 +89,7 @@ class LyannaDraftModel(nn.Module):
 
     def fuse(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
         """fc(h ⊕ E(t)): hidden [..., n], next_tokens [...] -> [..., n]."""
-        emb = self.embedding[next_tokens]
+        emb = self.embedding[next_tokens].to(hidden.dtype)  # a bf16 target's rows: cast
         if not self.config.fuse_first_token:
             emb = torch.zeros_like(emb)
         return self.fc(torch.cat([hidden, emb], dim=-1))
@@ -97,7 +97,7 @@ class LyannaDraftModel(nn.Module):
     def token_info(self, parent_tokens: torch.Tensor) -> torch.Tensor:
         """RMSNorm(W_E[t] W1 W2) per parent token: [...] -> [..., num_hot]; zero for tokens
         outside the hot set or when token info is disabled."""
-        rows = self.info_norm(self.embedding[parent_tokens] @ self.w1 @ self.w2)
+        rows = self.info_norm(self.embedding[parent_tokens].to(self.w1.dtype) @ self.w1 @ self.w2)
         keep = (self.hot_index[parent_tokens] >= 0) & self.config.use_token_info
         return rows * keep.unsqueeze(-1).to(rows.dtype)
 

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from lyanna.model.config import ModelConfig, UnsupportedModelError
 from lyanna.model.cpu_kernels import PackedLinear, prepack_linears
+from lyanna.model.device import check_placement
 from lyanna.model.native import load_decoder
 from lyanna.model.quant import (
     Q4_TYPES,
@@ -284,9 +285,12 @@ def load_model(
     came from) on the int4 kernel; ``q4a8`` the same blocks with int8 activations in the
     native kernel (llama.cpp's numerics: faster products over many rows, less exact);
     ``auto`` picks whichever measured faster on this machine
-    (``calibrate.choose_weights``, cached per machine)."""
+    (``calibrate.choose_weights``, cached per machine). The 4-bit formats run on the CPU in
+    float32 only (``ValueError`` elsewhere); ``auto`` loads the dense weights in ``dtype`` on
+    ``device`` anywhere else."""
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
+    check_placement(weights, dtype, device)  # 4-bit: CPU float32 only
     path = Path(path)
     if path.suffix == ".gguf":
         config, state = read_gguf(path)
@@ -310,8 +314,6 @@ def load_model(
             from lyanna.model.calibrate import choose_weights
 
             q4 = q4 if choose_weights(config) == "q4" else None
-    elif weights in ("q4", "q4a8"):
-        raise ValueError(f"weights={weights!r} runs on the CPU in float32 only")
     if weights == "q4a8" and load_decoder() is None:
         raise CheckpointError("weights='q4a8' needs the native decoder (a C++ compiler)")
     return build_model(

@@ -94,8 +94,11 @@ class Attention(nn.Module):
         B, q, _ = x.shape
         hd, nh, nkv = self.head_dim, self.num_heads, self.num_kv_heads
         qkv = self.wqkv(x).view(B, q, nh + 2 * nkv, hd)
-        # queries and keys rotate together: one RoPE instead of two ([B, q, heads, hd] layout)
-        qk = apply_rope(qkv[:, :, : nh + nkv], ctx.cos.transpose(1, 2), ctx.sin.transpose(1, 2))
+        # queries and keys rotate together: one RoPE instead of two ([B, q, heads, hd] layout);
+        # the float32 tables rotate bf16/fp16 activations in their own dtype, as HF's Llama does
+        # (float32 activations: ``.to`` is a no-op, the same numbers as before)
+        cos, sin = ctx.cos.to(qkv.dtype), ctx.sin.to(qkv.dtype)
+        qk = apply_rope(qkv[:, :, : nh + nkv], cos.transpose(1, 2), sin.transpose(1, 2))
         xq = qk[:, :, :nh].transpose(1, 2)
         xk = qk[:, :, nh:].transpose(1, 2)
         xv = qkv[:, :, nh + nkv :].transpose(1, 2)
@@ -279,7 +282,7 @@ class ForwardContext:
         attention_dtype: torch.dtype | None = None,
     ) -> None:
         B, q = positions.shape
-        lengths = cache.lengths[slots]  # [B]
+        lengths = cache.lengths[slots]  # [B] (the cache keeps its lengths on the CPU)
         self.kv_len = int(lengths.max()) + q
         cache.check_length(self.kv_len)
         self.cache, self.slots = cache, slots
@@ -287,7 +290,11 @@ class ForwardContext:
         self.attention_dtype = attention_dtype
         # a fresh prompt alone: causal attention over exactly its own rows, no mask to build
         self.is_causal = tree_mask is None and q > 1 and B == 1 and int(lengths[0]) == 0
-        self.rows = lengths[:, None] + torch.arange(q)  # [B, q]
+        # the KV's device (a GPU model's): rows index its cache and the mask meets its
+        # queries there, moved once per forward rather than in every layer (CPU: no copy)
+        self.device = cache.keys.device
+        self._cpu_rows = lengths[:, None] + torch.arange(q)  # [B, q]
+        self.rows = self._cpu_rows.to(self.device)
         self.cos = cos_table[positions].unsqueeze(1)  # [B, 1, q, hd]
         self.sin = sin_table[positions].unsqueeze(1)
 
@@ -295,7 +302,10 @@ class ForwardContext:
     def mask(self) -> torch.Tensor | None:  # [B, 1, q, kv_len] bool, or None
         """Built on first use: the eager attention reads it, the native decoder does not."""
         q = self.rows.shape[1]
-        return None if self.is_causal else self._build_mask(self.lengths, q, self.tree_mask)
+        if self.is_causal:
+            return None
+        mask = self._build_mask(self.lengths, q, self.tree_mask)
+        return None if mask is None else mask.to(self.device)
 
     def _build_mask(
         self, lengths: torch.Tensor, q: int, tree_mask: torch.Tensor | None
@@ -309,7 +319,7 @@ class ForwardContext:
         mask = (cols[None, None, :] < lengths[:, None, None]).expand(B, q, self.kv_len).clone()
         batch_idx = torch.arange(B)[:, None, None]
         query_idx = torch.arange(q)[None, :, None]
-        mask[batch_idx, query_idx, self.rows[:, None, :]] = tree_mask
+        mask[batch_idx, query_idx, self._cpu_rows[:, None, :]] = tree_mask.cpu()
         return mask.unsqueeze(1)
 
 
@@ -363,6 +373,10 @@ class Transformer(nn.Module):
         slot's committed prefix (call ``cache.commit`` to keep some of them)."""
         if int(positions.max()) >= self.config.max_position_embeddings:
             raise ValueError("position exceeds the model's context length")
+        # callers build tokens and positions on the CPU; a GPU model takes them to its device
+        # (a no-op on the CPU). Slots and the cache's lengths stay CPU bookkeeping.
+        device = self.embed_tokens.weight.device
+        tokens, positions = tokens.to(device), positions.to(device)
         if self.native is not None:
             return self._native_forward(tokens, positions, cache, slots, tree_mask)
         ctx = ForwardContext(

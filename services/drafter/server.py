@@ -36,6 +36,7 @@ from lyanna.drafters import (
     tree_budget,
 )
 from lyanna.model import load_model
+from lyanna.model.device import parse_dtype, parse_placement
 from lyanna.model.loader import WEIGHT_FORMATS
 from lyanna.model.transformer import Transformer
 from lyanna.threads import serving_threads
@@ -67,6 +68,10 @@ class DrafterConfig:
     # the target's format here, the verifier's (auto picks the same on the same machine):
     # the cost curve of --tree cost is measured on it
     weights: str = "auto"
+    # where the target (and the drafter's inputs) live: the verifier's --device / --dtype;
+    # learned drafters draft on the CPU only (lyanna.drafters.make_drafter says so)
+    device: str = "cpu"  # cpu | cuda | cuda:N
+    dtype: str = "float32"  # float32 | bfloat16 (bf16) | float16 (fp16)
     # tree shape; unset = the method's measured default (lyanna.drafters.DEFAULT_BUDGETS)
     depth: int | None = None
     top_k: int | None = None
@@ -90,6 +95,11 @@ class DrafterConfig:
             raise ValueError(f"unknown method {self.method!r}; known: {sorted(DRAFTERS)}")
         if self.factory is not None and ":" not in self.factory:
             raise ValueError("factory must look like 'package.module:function'")
+        parse_placement(self.device, self.dtype, self.weights)  # at start-up, not in a forward
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
 
     def shape(self, model: Transformer | None = None) -> DraftBudget:
         """The tree shape: the method's default (for ``model``'s engine) with the fields set
@@ -300,7 +310,12 @@ def make_configured_drafter(
 def build_servicer(config: DrafterConfig, server_config: ServerConfig) -> DrafterServicer:
     from lyanna.model import fetch_default_model
 
-    model = load_model(config.model or fetch_default_model(), weights=config.weights)
+    model = load_model(
+        config.model or fetch_default_model(),
+        config.torch_dtype,
+        config.device,
+        weights=config.weights,
+    )
     budget = config.budget(model)
     drafter = make_configured_drafter(config, model, budget)
     plane = None
@@ -309,7 +324,8 @@ def build_servicer(config: DrafterConfig, server_config: ServerConfig) -> Drafte
             server_config.plane, server_config.plane_addr, 1, server_config.plane_timeout
         )
         plane.connect_in_background()
-    receiver = HiddenReceiver(model.config.hidden_size, model.dtype, plane)
+    device = model.embed_tokens.weight.device
+    receiver = HiddenReceiver(model.config.hidden_size, model.dtype, plane, device=device)
     return DrafterServicer(drafter, config, receiver, model.config.vocab_size, budget)
 
 

@@ -19,6 +19,7 @@ import grpc
 import torch
 
 from lyanna.model import load_model
+from lyanna.model.device import parse_dtype, parse_placement
 from lyanna.model.loader import WEIGHT_FORMATS
 from lyanna.sampling import SamplingParams
 from lyanna.target import TargetConfig, TargetRunner, Verified
@@ -44,6 +45,8 @@ class VerifierConfig:
     rule: str | None = None  # acceptance rule at temperature > 0 (None = scheme default)
     max_tree_nodes: int = 128  # largest tree (after fusion) one sequence may send
     weights: str = "auto"  # q4 | fp32 | auto (see lyanna.model.load_model)
+    device: str = "cpu"  # cpu | cuda | cuda:N: where the model and its KV cache live
+    dtype: str = "float32"  # float32 | bfloat16 (bf16) | float16 (fp16); bf16 on a GPU
 
     def __post_init__(self) -> None:
         TargetConfig(self.max_running, self.max_len, self.rule)
@@ -51,6 +54,11 @@ class VerifierConfig:
             raise ValueError(f"weights must be one of {WEIGHT_FORMATS}")
         if self.max_tree_nodes < 1:
             raise ValueError("max_tree_nodes must be >= 1")
+        parse_placement(self.device, self.dtype, self.weights)  # at start-up, not in a forward
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -270,7 +278,7 @@ def build_servicer(config: VerifierConfig, server_config: ServerConfig) -> Verif
     from lyanna.model import fetch_default_model
 
     path = config.model or str(fetch_default_model())
-    model = load_model(path, weights=config.weights)
+    model = load_model(path, config.torch_dtype, config.device, weights=config.weights)
     runner = TargetRunner(model, TargetConfig(config.max_running, config.max_len, config.rule))
     plane = None
     if server_config.plane != "grpc":

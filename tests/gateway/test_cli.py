@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from gateway.chat import ChatOptions, run_chat
 from gateway.server import free_port
@@ -92,3 +93,77 @@ def test_serve_integer_flags_take_their_defaults_from_the_environment(monkeypatc
     args = build_parser().parse_args(["serve"])
     assert (args.max_steps_per_call, args.threads) == (3, 2)
     assert build_parser().parse_args(["serve", "--threads", "1"]).threads == 1  # flag wins
+
+
+def test_serve_device_and_dtype_take_their_defaults_from_the_environment(monkeypatch) -> None:
+    from gateway.cli import build_parser, placement
+
+    args = build_parser().parse_args(["serve"])
+    assert (args.device, args.dtype) == ("cpu", "float32")
+    monkeypatch.setenv("LYANNA_DEVICE", "cpu")
+    monkeypatch.setenv("LYANNA_DTYPE", "bf16")
+    cpu = torch.device("cpu")
+    assert placement(build_parser().parse_args(["serve"])) == (cpu, torch.bfloat16)
+    args = build_parser().parse_args(["serve", "--dtype", "fp16"])  # the flag wins
+    assert placement(args) == (cpu, torch.float16)
+    assert build_parser().parse_args(["generate", "--prompt", "p"]).dtype == "bf16"
+
+
+@pytest.mark.parametrize(
+    "argv, env",
+    [
+        (["serve", "--dtype", "int8"], {}),
+        (["serve", "--device", "tpu"], {}),
+        (["serve"], {"LYANNA_DTYPE": "double"}),  # a bad environment value is refused too
+    ],
+)
+def test_serve_refuses_unknown_devices_and_dtypes(monkeypatch, capsys, argv, env) -> None:
+    from gateway.cli import build_parser
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
+    error = capsys.readouterr().err
+    assert "error: argument --d" in error and ("dtype must be" in error or "device" in error)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize("mode", ["embedded", "services"])
+def test_serve_on_cuda_without_cuda_fails_before_loading(capsys, mode) -> None:
+    from gateway.cli import main
+
+    argv = ["serve", "--mode", mode, "--model", "/nonexistent", "--device", "cuda"]
+    assert main([*argv, "--port", str(free_port())]) == 2
+    assert "needs CUDA" in capsys.readouterr().err
+
+
+def test_serve_refuses_4bit_weights_in_bf16_before_loading(capsys) -> None:
+    from gateway.cli import main
+
+    argv = ["serve", "--model", "/nonexistent", "--weights", "q4", "--dtype", "bf16"]
+    assert main([*argv, "--port", str(free_port())]) == 2
+    assert "runs on the CPU in float32 only" in capsys.readouterr().err
+
+
+def test_services_mode_passes_device_and_dtype_to_both_services(tiny_chat_dir, monkeypatch) -> None:
+    import services.launch
+    from gateway.cli import build_parser
+    from gateway.config import GatewayConfig
+    from gateway.launcher import _serve_services
+
+    calls = []
+
+    def no_launch(model, method, verifier_args, drafter_args):
+        calls.append((method, verifier_args, drafter_args))
+        raise services.launch.LaunchError("not in this test")
+
+    monkeypatch.setattr(services.launch, "launch", no_launch)
+    argv = ["serve", "--mode", "services", "--model", str(tiny_chat_dir), "--dtype", "bf16"]
+    with pytest.raises(RuntimeError, match="no method"):
+        _serve_services(build_parser().parse_args(argv), GatewayConfig(mode="services"))
+    for _, verifier_args, drafter_args in calls:
+        for service_args in (verifier_args, drafter_args):
+            flags = dict(zip(service_args[::2], service_args[1::2], strict=True))
+            assert (flags["--device"], flags["--dtype"]) == ("cpu", "bf16")
+    assert calls and calls[0][0] == "lyanna"  # then each fallback method, all refused here

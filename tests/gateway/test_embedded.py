@@ -9,12 +9,14 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from gateway.backend import BackendBusy, BackendUnavailable, GenerationRequest, TokenDelta
 from gateway.embedded import EmbeddedBackend, EmbeddedConfig
+from gateway.server import load
 from lyanna.drafters.base import NoDrafter
 from lyanna.sampling import SamplingParams
-from tests.gateway.conftest import MODEL_NAME, start_gateway
+from tests.gateway.conftest import MODEL_NAME, plain_greedy, start_gateway
 
 
 def request(max_tokens: int, method: str | None = None) -> GenerationRequest:
@@ -219,6 +221,35 @@ def test_requests_of_different_methods_share_one_engine(loaded) -> None:
             assert set(backend.engine.drafters) == {"ar", "ngram"}
             by_method = backend.engine.scheduler.stats_by_method
             assert by_method["ar"].num_steps > 0 and by_method["ngram"].num_steps > 0
+        finally:
+            await backend.stop()
+
+    asyncio.run(scenario())
+
+
+def test_bf16_embedded_backend_equals_bf16_plain_decoding(tiny_chat_dir) -> None:
+    """``lyanna serve --dtype bf16`` in embedded mode: ``gateway.server.load`` loads the model
+    in bf16 (its KV cache too), and the backend's greedy output, n-gram drafting and plain,
+    is what plain bf16 decoding (``lyanna.decode.generate``) gives."""
+    loaded = load(tiny_chat_dir, "auto", device="cpu", dtype=torch.bfloat16)
+    assert loaded.model.dtype is torch.bfloat16
+    prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 9, 10, 9]]
+    expected = [plain_greedy(loaded, prompt, 16) for prompt in prompts]
+    config = EmbeddedConfig(default_method="ngram", max_len=512, tree="fixed")
+    backend = EmbeddedBackend(loaded.model, loaded.eos_token_ids, config)
+
+    async def tokens(prompt: list[int], method: str) -> list[int]:
+        params = SamplingParams(max_tokens=16)
+        stream = backend.generate(GenerationRequest("r", prompt, params, method))
+        return [t async for delta in stream for t in delta.token_ids]
+
+    async def scenario() -> None:
+        await backend.start()
+        try:
+            assert backend.engine.cache.keys.dtype is torch.bfloat16
+            for method in ("ngram", "ar"):
+                got = await asyncio.gather(*(tokens(p, method) for p in prompts))
+                assert list(got) == expected, method
         finally:
             await backend.stop()
 
