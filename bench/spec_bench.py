@@ -30,7 +30,7 @@ from bench.common import (
     print_table,
     set_threads,
 )
-from lyanna.drafters import DRAFTERS, DraftBudget, Drafter, make_drafter
+from lyanna.drafters import DRAFTERS, MODEL_FREE_METHODS, DraftBudget, Drafter, make_drafter
 from lyanna.engine import EngineConfig, SpecEngine
 from lyanna.model import fetch_default_model, load_model
 from lyanna.model.transformer import Transformer
@@ -272,6 +272,13 @@ def main() -> None:
         default="on",
         help="per-sequence draft gate (cost trees only); both: each method also as <m>-ungated",
     )
+    parser.add_argument(
+        "--fallback",
+        choices=("on", "off", "both"),
+        default="on",
+        help="gated-off steps of learned drafters draft n-gram (on) or nothing (off); "
+        "both: each learned method also as <m>-nofallback",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     set_threads(args.threads)
@@ -289,6 +296,14 @@ def main() -> None:
         return method_budget(args, method, setup.model)
 
     factories: dict[str, Callable[[], Drafter]] = {}
+    if args.fallback != "on":
+        for m in [m for m in methods if m not in MODEL_FREE_METHODS]:
+            name = m if args.fallback == "off" else f"{m}-nofallback"
+            factories[name] = lambda m=m: make_drafter(
+                m, setup.model, budget_of(m), free_fallback=False
+            )
+            if args.fallback == "both":
+                methods.insert(methods.index(m) + 1, name)
     if args.gate != "on":
         for m in [m for m in methods if m != "ar"]:
             name = m if args.gate == "off" else f"{m}-ungated"

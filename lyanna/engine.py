@@ -79,7 +79,8 @@ class SpecEngine:
         """Serve ``method`` with ``drafter`` from now on (its sequences share every target
         forward with the other methods' sequences)."""
         if self.config.rule is not None and not isinstance(drafter, NoDrafter):
-            sampling_rule(self.config.rule, drafter.scheme)  # not at every drafted tree
+            for scheme in getattr(drafter, "schemes", (drafter.scheme,)):
+                sampling_rule(self.config.rule, scheme)  # not at every drafted tree
         self.drafters[method] = drafter
 
     def remove_method(self, method: str) -> list[Sequence]:

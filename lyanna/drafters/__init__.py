@@ -121,7 +121,8 @@ def default_budget(method: str, model: Transformer | None = None) -> DraftBudget
 
 TREE_MODES = ("cost", "fixed")
 # methods that run no draft network: the only ones next to a target off the CPU (a GPU)
-MODEL_FREE_METHODS = ("ar", "ngram")
+MODEL_FREE_METHODS = ("ar", "ngram", "ngram-prompt")
+FREE_FALLBACK = "ngram"  # what a gated learned drafter's gated-off steps draft from
 
 
 def tree_budget(
@@ -145,11 +146,13 @@ def make_drafter(
     budget: DraftBudget | None = None,
     capacity: DraftCapacity | None = None,
     gate: bool = True,
+    free_fallback: bool = True,
 ) -> Drafter:
     """The drafter of method ``name`` with ``budget`` (default: the method's measured one)
     and room for ``capacity`` (default: 16 sequences of 4,096 rows). With ``gate`` and a
     budget that knows the target's cost curve, each sequence drafts only while drafting pays
-    (``lyanna.drafters.gate``): every learned drafter; n-gram drafting is free."""
+    (``lyanna.drafters.gate``): every learned drafter; n-gram drafting is free. With
+    ``free_fallback`` a gated-off step drafts from ``FREE_FALLBACK`` instead of nothing."""
     try:
         factory = DRAFTERS[name]
     except KeyError:
@@ -161,13 +164,18 @@ def make_drafter(
             f"CPU tensors); the target is on {device}: serve {MODEL_FREE_METHODS} there"
         )
     budget = budget or default_budget(name, model)
-    drafter = factory(model, budget, capacity or DraftCapacity())
+    capacity = capacity or DraftCapacity()
+    drafter = factory(model, budget, capacity)
     # n-gram drafting costs no forward, and its empty drafts (no match) cost no rows: ungated
     # (measured: gating it cost tau 1.25 -> 1.09, 1.05x -> 1.02x; docs/benchmarks.md)
-    if gate and budget.cost is not None and name not in ("ar", "ngram", "ngram-prompt"):
+    if gate and budget.cost is not None and name not in MODEL_FREE_METHODS:
         from lyanna.drafters.gate import DraftGate, GatedDrafter
 
-        drafter = GatedDrafter(drafter, DraftGate(budget.cost))
+        fallback = None
+        if free_fallback:  # gated-off steps draft what costs no forward
+            free = replace(default_budget(FREE_FALLBACK, model), cost=budget.cost)
+            fallback = DRAFTERS[FREE_FALLBACK](model, free, capacity)
+        drafter = GatedDrafter(drafter, DraftGate(budget.cost), fallback)
     return drafter
 
 
@@ -177,6 +185,8 @@ __all__ = [
     "DraftBudget",
     "DraftCapacity",
     "Drafter",
+    "FREE_FALLBACK",
+    "MODEL_FREE_METHODS",
     "NoDrafter",
     "STEEP_COST_BUDGETS",
     "TREE_MODES",

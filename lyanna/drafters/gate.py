@@ -23,8 +23,16 @@ known in advance (``quiet_steps``): a caller across a process boundary (the gate
 of the drafter service) verifies those steps root-only without asking, and hands the drafter
 their verifications in order with the next call.
 
+A gated-off step need not be a plain one: with a ``fallback`` drafter that costs no forward
+(the n-gram drafter: the request's own text, then the target's corpus store), gated-off
+sequences draft from it instead, its trees cut by the same cost curve. Where the learned
+drafter does not pay, as on a CPU whose every verified row costs a fifth of a step, the
+method then drafts what is free rather than nothing. Such steps are not quiet: they are
+proposed like any other.
+
 Lossless by construction: a gated-off sequence verifies a root-only tree (a plain decode
-step), and the wrapped drafter still sees every verified step (its state keeps up).
+step) or the fallback's tree with the rule of its own scheme, and the wrapped drafter still
+sees every verified step (its state keeps up).
 """
 
 from __future__ import annotations
@@ -143,15 +151,20 @@ class DraftGate:
 
 class GatedDrafter:
     """``inner`` drafting only for the sequences its ``DraftGate`` lets through; the others
-    get root-only trees. Every other attribute is the inner drafter's."""
+    get root-only trees, or ``fallback``'s (a drafter that runs no model). Every other
+    attribute is the inner drafter's."""
 
-    def __init__(self, inner: Drafter, gate: DraftGate) -> None:
+    def __init__(self, inner: Drafter, gate: DraftGate, fallback: Drafter | None = None) -> None:
         self.inner = inner
         self.gate = gate
         self.scheme = inner.scheme
+        # every scheme its drafted trees may have (a configured rule must suit each; a
+        # root-only tree drafts nothing, which any rule verifies)
+        self.schemes = frozenset({inner.scheme, *([fallback.scheme] if fallback else [])})
         self.needs_hidden = inner.needs_hidden
-        self.plain = NoDrafter()  # the root-only trees of gated-off sequences
-        self.num_gated_steps = 0  # sequence-steps that skipped drafting (quiet ones included)
+        self.plain = fallback or NoDrafter()  # the trees of gated-off sequences
+        self.drafts_when_gated = fallback is not None
+        self.num_gated_steps = 0  # sequence-steps the inner drafter skipped (quiet included)
 
     def __getattr__(self, name: str):  # only called for names not found on the wrapper
         return getattr(self.__dict__["inner"], name)
@@ -159,7 +172,7 @@ class GatedDrafter:
     def start(self, seq_id, prompt_ids, prompt_hidden, first_token, params=None) -> None:
         self.inner.start(seq_id, prompt_ids, prompt_hidden, first_token, params)
         self.gate.start(seq_id, sampled=params is not None and not params.greedy)
-        self.plain.start(seq_id, prompt_ids, None, first_token)
+        self.plain.start(seq_id, prompt_ids, None, first_token, params)
 
     def propose(self, seq_ids: list[int]) -> list[TokenTree]:
         chosen = self.gate.choose(seq_ids)
@@ -177,8 +190,9 @@ class GatedDrafter:
     def quiet_steps(self, seq_id: int) -> int:
         """Steps after the last ``propose`` on which ``seq_id`` certainly gets a root-only tree:
         the caller may verify those without proposing, then pass their verifications to
-        ``on_verified`` in order before the next ``propose``."""
-        return self.gate.quiet_steps(seq_id)
+        ``on_verified`` in order before the next ``propose``. None with a fallback: a
+        gated-off step drafts from it."""
+        return 0 if self.drafts_when_gated else self.gate.quiet_steps(seq_id)
 
     def on_verified(self, steps: list[VerifiedStep]) -> dict[int, int]:
         resampled = self.inner.on_verified(steps)

@@ -71,7 +71,9 @@ class NgramDrafter:
     def on_verified(self, steps: list[VerifiedStep]) -> dict[int, int]:
         accepted = [0, 0]
         for step in steps:
-            accepted[self._sources.pop(step.seq_id, HISTORY)] += step.num_accepted
+            source = self._sources.pop(step.seq_id, None)
+            if source is not None:  # (not a step another drafter drafted: see GatedDrafter)
+                accepted[source] += step.num_accepted
         for calibration, tokens in zip(self.calibrations, accepted, strict=True):
             calibration.verified(tokens)
         for step in steps:

@@ -144,3 +144,71 @@ def test_a_gated_ngram_drafter_keeps_drafting_a_repetitive_sequence() -> None:
     assert [s.output_ids for s in seqs] == plain_outputs(model, [[4, 4, 4, 4, 4, 4]], 32)
     assert drafter.num_gated_steps == 0 and engine.stats.num_drafted > 0
     assert drafter.budget is drafter.inner.budget  # other attributes are the inner drafter's
+
+
+def test_gated_off_steps_draft_from_a_free_fallback_and_stay_lossless() -> None:
+    """A learned drafter that never pays (a random head) gated off; its sequences draft from
+    the n-gram fallback instead, trees cut by the same cost curve: greedy output unchanged,
+    tokens accepted, no quiet steps announced, the inner drafter kept in sync."""
+    model = make_tiny_model(2, vocab_size=16)
+    budget = DraftBudget(2, 2, 3, cost=HALF_STEP_ROW)
+    inner = EagleDrafter(model, random_head(model), budget, max_running=2, max_len=256)
+    fallback = NgramDrafter(DraftBudget(3, 1, 3, cost=HALF_STEP_ROW))
+    drafter = GatedDrafter(inner, DraftGate(HALF_STEP_ROW, GateConfig(prior=0.0)), fallback)
+    proposed_by_fallback: list[int] = []
+    propose = fallback.propose
+    fallback.propose = lambda ids: (proposed_by_fallback.extend(ids), propose(ids))[1]
+    engine, seqs = run_engine(model, drafter, PROMPTS, max_running=2)
+    quiet = []
+    while engine.has_work:
+        engine.step()
+        quiet += [drafter.quiet_steps(s) for s in engine.slots]
+    assert [s.output_ids for s in seqs] == plain_outputs(model, PROMPTS)
+    assert proposed_by_fallback and engine.stats.num_accepted > 0
+    assert drafter.num_gated_steps > engine.stats.num_steps // 2 and set(quiet) == {0}
+    assert inner.cache.num_free_slots == 2 and not inner._seqs and not fallback._seqs
+
+
+def test_without_a_fallback_gated_off_steps_are_plain_and_announced_quiet() -> None:
+    model = make_tiny_model(2, vocab_size=16)
+    inner = NgramDrafter(DraftBudget(3, 1, 3))
+    drafter = GatedDrafter(inner, DraftGate(NEVER_PAYS, GateConfig(prior=0.0, probe_after=8)))
+    engine, seqs = run_engine(model, drafter, [[4, 4, 4, 4, 4, 4]], max_running=1)
+    engine.step()
+    engine.step()  # gated off after the first step: plain, with the wait announced
+    assert drafter.quiet_steps(0) > 0 and engine.stats.num_drafted == 0
+
+
+def test_a_configured_rule_must_suit_the_fallbacks_trees_too() -> None:
+    """A rule for sampled trees cannot verify the n-gram fallback's top-k trees: refused
+    when the method is added, not at the first such tree."""
+    from lyanna.drafters.base import NoDrafter
+    from lyanna.engine import EngineConfig, SpecEngine
+    from lyanna.tree import DraftScheme
+    from lyanna.verify import LossyRuleError
+
+    class SampledInner(NoDrafter):
+        scheme = DraftScheme.WITHOUT_REPLACEMENT
+
+    model = make_tiny_model(2, vocab_size=16)
+    config = EngineConfig(max_running=1, max_len=64, rule="traversal")
+    gate = DraftGate(HALF_STEP_ROW)
+    SpecEngine(model, GatedDrafter(SampledInner(), gate), config)  # one scheme: accepted
+    with pytest.raises(LossyRuleError, match="TOPK"):
+        SpecEngine(model, GatedDrafter(SampledInner(), gate, NgramDrafter()), config)
+
+
+def test_make_drafter_gives_gated_learned_drafters_the_ngram_fallback(monkeypatch) -> None:
+    import lyanna.drafters as drafters
+
+    model = make_tiny_model(2, vocab_size=16)
+    registry = dict(drafters.DRAFTERS)
+    registry["learned"] = lambda model, budget, capacity: NgramDrafter(budget)  # a stand-in
+    monkeypatch.setattr(drafters, "DRAFTERS", registry)
+    budget = DraftBudget(2, 2, 4, cost=HALF_STEP_ROW)
+    gated = drafters.make_drafter("learned", model, budget)
+    assert isinstance(gated, GatedDrafter) and isinstance(gated.plain, NgramDrafter)
+    assert gated.plain.budget.cost is HALF_STEP_ROW  # the fallback's trees pay their rows
+    plain = drafters.make_drafter("learned", model, budget, free_fallback=False)
+    assert not plain.drafts_when_gated
+    assert not isinstance(drafters.make_drafter("ngram", model, budget), GatedDrafter)
