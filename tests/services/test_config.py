@@ -32,3 +32,30 @@ def test_flags_over_environment_over_defaults() -> None:
 def test_invalid_values_are_refused(argv) -> None:
     with pytest.raises(SystemExit):
         parse_configs((ServerConfig, DrafterConfig), argv, "LYANNA_DRAFTER_", {})
+
+
+def test_the_drafter_service_announces_quiet_steps_unless_told_to_draft_ngram(monkeypatch):
+    """Across a process boundary gated-off steps stay plain by default (quiet, verified in
+    multi-step calls); ``--free-fallback true`` gives them the n-gram fallback."""
+    import lyanna.drafters as drafters
+    from lyanna.drafters.gate import GatedDrafter
+    from lyanna.drafters.ngram import NgramDrafter
+    from lyanna.tree_cost import VerifyCost
+    from services.drafter.server import make_configured_drafter
+    from tests.conftest import make_tiny_model
+
+    registry = dict(drafters.DRAFTERS)
+    registry["learned"] = lambda model, budget, capacity: NgramDrafter(budget)  # a stand-in
+    monkeypatch.setattr(drafters, "DRAFTERS", registry)
+    monkeypatch.setattr("services.drafter.server.DRAFTERS", registry)
+    model = make_tiny_model(2, vocab_size=16)
+    budget = drafters.DraftBudget(2, 1, 2, cost=VerifyCost((1, 2), (1.0, 1.5)))
+    env = {"LYANNA_DRAFTER_METHOD": "learned"}
+    _, plain = parse_configs((ServerConfig, DrafterConfig), [], "LYANNA_DRAFTER_", env)
+    _, free = parse_configs(
+        (ServerConfig, DrafterConfig), ["--free-fallback", "true"], "LYANNA_DRAFTER_", env
+    )
+    quiet = make_configured_drafter(plain, model, budget)
+    drafting = make_configured_drafter(free, model, budget)
+    assert isinstance(quiet, GatedDrafter) and not quiet.drafts_when_gated
+    assert isinstance(drafting, GatedDrafter) and drafting.drafts_when_gated
