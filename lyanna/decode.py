@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lyanna.model.transformer import Transformer, causal_mask
+from lyanna.model.native_layers import causal_mask
+from lyanna.model.transformer import Transformer
 from lyanna.sampling import greedy_or_sample
 from lyanna.sequence import Sequence
 

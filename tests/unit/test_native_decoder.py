@@ -15,8 +15,9 @@ import torch
 from lyanna.kv_cache import KVCache
 from lyanna.model import ModelConfig, Transformer, load_model
 from lyanna.model.native import load_decoder
+from lyanna.model.native_layers import run_native
 from lyanna.model.quant import Int4Linear, Q4Blocks
-from lyanna.model.transformer import rope_tables, run_native
+from lyanna.model.transformer import rope_tables
 from lyanna.tree import pack_trees
 from tests.conftest import make_tiny_model, prompt_logits
 from tests.unit.test_model_tree_attention import prefill, random_tree
