@@ -262,6 +262,8 @@ class Transformer(nn.Module):
         self.native = None
         self._native_layers: list[torch.Tensor] = []
         self._native_int8_rows = False
+        # the native decoder's KV cache may be float16 (``use_native``); None = as above
+        self.kv_dtype: torch.dtype | None = None
         cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -274,7 +276,7 @@ class Transformer(nn.Module):
         max_len = min(max_len, self.config.max_position_embeddings)
         # float64 attention keeps its keys and values in float64: converting every cached row
         # on every layer of every step cost more than the attention itself (measured)
-        dtype = self.attention_dtype or self.dtype
+        dtype = self.kv_dtype or self.attention_dtype or self.dtype
         return KVCache(self.config, num_slots, max_len, dtype, self.embed_tokens.weight.device)
 
     @torch.inference_mode()
@@ -307,8 +309,13 @@ class Transformer(nn.Module):
     def use_native(self, extension) -> bool:
         """Run the decoder layers in one native call (``lyanna.model.native``) when every
         layer can (``native_layer_tensors``) and the extension is there; returns whether it
-        does. Its attention is batch invariant in float32, so the KV cache goes back to
-        float32 (see ``attention_dtype``)."""
+        does. Its attention is batch invariant in float32, so the float64 cache is not needed
+        (see ``attention_dtype``), and it keeps keys and values in float16 (llama.cpp's
+        default): each row rounded once when written, read back exactly, so tree rows still
+        equal decoding bit for bit. Attention reads the whole cache every step: on a Zen 5 at
+        1,000 cached rows a one-row forward took 4.30 ms with a float32 cache and 3.57 with
+        float16 (300 rows: 2.9 -> 2.8; 8 new rows: +1.5 %), and the cache takes half the
+        memory."""
         layers = [native_layer_tensors(block) for block in self.layers]
         if extension is None or any(layer is None for layer in layers):
             return False
@@ -316,6 +323,7 @@ class Transformer(nn.Module):
         self._native_layers = [t for layer in layers for t in layer]  # type: ignore[union-attr]
         self._native_int8_rows = int8_rows(self)
         self.attention_dtype = None
+        self.kv_dtype = torch.float16
         return True
 
     def _native_forward(

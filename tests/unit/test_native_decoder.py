@@ -103,7 +103,7 @@ def test_native_computes_the_eager_q4_model(head_dim: int, extension) -> None:
     logits = [prompt_logits(model, ids) for model in (eager, native)]
     rel = (logits[0] - logits[1]).norm() / logits[0].norm()
     assert rel < 2e-2, rel  # both round each product's input to bf16, at different places
-    assert native.attention_dtype is None and native.new_cache(1, 4).keys.dtype == torch.float32
+    assert native.attention_dtype is None and native.new_cache(1, 4).keys.dtype == torch.float16
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -270,18 +270,20 @@ def test_a_resumed_sequence_gets_back_the_kv_decoding_gave_it(extension) -> None
     assert not torch.equal(kv(3), kv(1))
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("head_dim", [32, 64])
-def test_avx2_attention_keeps_the_generic_bits(head_dim: int, extension) -> None:
+def test_avx2_attention_keeps_the_generic_bits(head_dim: int, kv_dtype, extension) -> None:
     """Attention's loops run on 8-lane registers where the CPU has AVX2 (scores eight keys at a
     time); the build with the generic 16-lane loops (``LYANNA_GENERIC_ATTENTION``) must give
     the same hidden states, bit for bit, over contexts that are and are not multiples of eight
-    keys."""
+    keys, with the target's float16 cache and the drafters' float32 one."""
     from lyanna.model.native import load_decoder_variant
 
     generic_ext = load_decoder_variant("LYANNA_GENERIC_ATTENTION")
     assert generic_ext is not None
     model = q4_model(head_dim, seed=11)
     fast, generic = native_twin(model, extension), native_twin(model, generic_ext)
+    fast.kv_dtype = generic.kv_dtype = kv_dtype
     rng = random.Random(11)
     for length in (5, 16, 37):
         prefix = [rng.randrange(96) for _ in range(length)]
@@ -289,6 +291,7 @@ def test_avx2_attention_keeps_the_generic_bits(head_dim: int, extension) -> None
         outputs = []
         for twin in (fast, generic):
             cache = twin.new_cache(1, 128)
+            assert cache.keys.dtype == kv_dtype
             slot = cache.allocate()
             prefill(twin, cache, slot, prefix)
             packed = pack_trees([tree], [length])

@@ -138,39 +138,47 @@ struct Rows {
   const float* sin;           // (sin signed as in lyanna.model.transformer.rope_tables)
 };
 
+// One head's row rotated (Hugging Face rotate-half layout), each element rounded to the
+// destination's type once.
+template <class T>
+void rope_row(const float* src, const float* c, const float* sn, int64_t hd, T* dst) {
+  const int64_t half = hd / 2;
+  for (int64_t i = 0; i < half; ++i) dst[i] = static_cast<T>(src[i] * c[i] + src[i + half] * sn[i]);
+  for (int64_t i = half; i < hd; ++i) dst[i] = static_cast<T>(src[i] * c[i] + src[i - half] * sn[i]);
+}
+
 // RoPE on queries and keys (Hugging Face rotate-half layout); queries go to `queries`
 // [B*q, nh, hd], keys and values to the cache.
-void rope_and_store(const float* qkv, const Shape& s, const Rows& rows, float* queries,
-                    float* kc, float* vc) {
-  const int64_t width = (s.nh + 2 * s.nkv) * s.hd, half = s.hd / 2;
+template <class KV>
+void rope_and_store(const float* qkv, const Shape& s, const Rows& rows, float* queries, KV* kc,
+                    KV* vc) {
+  const int64_t width = (s.nh + 2 * s.nkv) * s.hd;
   for (int64_t b = 0; b < s.B; ++b)
     for (int64_t j = 0; j < s.q; ++j) {
       const int64_t r = b * s.q + j, row = rows.write_rows[r];
       const float *c = rows.cos + r * s.hd, *sn = rows.sin + r * s.hd;
       for (int64_t h = 0; h < s.nh + 2 * s.nkv; ++h) {
         const float* src = qkv + r * width + h * s.hd;
-        float* dst;
         if (h < s.nh) {
-          dst = queries + (r * s.nh + h) * s.hd;
-        } else {
-          const int64_t g = h < s.nh + s.nkv ? h - s.nh : h - s.nh - s.nkv;
-          float* cache = h < s.nh + s.nkv ? kc : vc;
-          dst = cache + ((rows.slots[b] * s.nkv + g) * s.T + row) * s.hd;
+          rope_row(src, c, sn, s.hd, queries + (r * s.nh + h) * s.hd);
+          continue;
         }
+        const int64_t g = h < s.nh + s.nkv ? h - s.nh : h - s.nh - s.nkv;
+        KV* dst = (h < s.nh + s.nkv ? kc : vc) + ((rows.slots[b] * s.nkv + g) * s.T + row) * s.hd;
         if (h < s.nh + s.nkv) {
-          for (int64_t i = 0; i < half; ++i) dst[i] = src[i] * c[i] + src[i + half] * sn[i];
-          for (int64_t i = half; i < s.hd; ++i) dst[i] = src[i] * c[i] + src[i - half] * sn[i];
+          rope_row(src, c, sn, s.hd, dst);  // a float16 cache rounds each element once
         } else {
-          for (int64_t i = 0; i < s.hd; ++i) dst[i] = src[i];
+          for (int64_t i = 0; i < s.hd; ++i) dst[i] = static_cast<KV>(src[i]);
         }
       }
     }
 }
 
 // Attention of every new row over exactly the rows it sees, in ascending order; out
-// [B*q, nh*hd].
-void attend(const float* queries, const float* kc, const float* vc, const Shape& s,
-            const Rows& rows, float* out) {
+// [B*q, nh*hd]. Keys and values are float32 or float16 (read as float32: exactly).
+template <class KV>
+void attend(const float* queries, const KV* kc, const KV* vc, const Shape& s, const Rows& rows,
+            float* out) {
   const int64_t group = s.nh / s.nkv;
   const float scale = 1.f / std::sqrt(static_cast<float>(s.hd));
   const int64_t tasks = s.B * s.q * s.nh;
@@ -190,8 +198,8 @@ void attend(const float* queries, const float* kc, const float* vc, const Shape&
       for (int64_t k = 0; k < rows.width; ++k)
         if (seen[k]) cols.push_back(L + k);
       const int64_t count = static_cast<int64_t>(cols.size()), g = h / group;
-      const float* keys = kc + (rows.slots[b] * s.nkv + g) * s.T * s.hd;
-      const float* values = vc + (rows.slots[b] * s.nkv + g) * s.T * s.hd;
+      const KV* keys = kc + (rows.slots[b] * s.nkv + g) * s.T * s.hd;
+      const KV* values = vc + (rows.slots[b] * s.nkv + g) * s.T * s.hd;
       const float* query = queries + (r * s.nh + h) * s.hd;
       scores.resize(count);
       const bool fixed = rest == 0 && (chunks == 2 || chunks == 4 || chunks == 8);
@@ -224,9 +232,10 @@ void attend(const float* queries, const float* kc, const float* vc, const Shape&
       std::fill(tail, tail + kLanes, 0.f);
       for (int64_t k = 0; k < count; ++k) {
         const v16 p = v16{0} + scores[k];
-        const float* v = values + cols[k] * s.hd;
+        const KV* v = values + cols[k] * s.hd;
         for (int64_t c = 0; c < chunks; ++c) acc[c] += p * load16(v + c * kLanes);
-        for (int64_t i = 0; i < rest; ++i) tail[i] += scores[k] * v[chunks * kLanes + i];
+        for (int64_t i = 0; i < rest; ++i)
+          tail[i] += scores[k] * static_cast<float>(v[chunks * kLanes + i]);
       }
       for (int64_t c = 0; c < chunks; ++c)
         for (int64_t i = 0; i < kLanes; ++i) dst[c * kLanes + i] = acc[c][i] * inv;
@@ -240,18 +249,22 @@ void attend(const float* queries, const float* kc, const float* vc, const Shape&
 // at a fraction of the speed once a prompt reaches hundreds of tokens. Not bitwise equal to
 // ``attend``, so only the prefill takes it, and a prompt prefills the same way whether it is
 // then decoded plainly or speculatively.
-void prompt_attention(const float* queries, const float* kc, const float* vc, const Shape& s,
+template <class KV>
+void prompt_attention(const float* queries, const KV* kc, const KV* vc, const Shape& s,
                       int64_t slot, float* out) {
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  const auto kv_type = at::TensorOptions().dtype(c10::CppTypeToScalarType<KV>::value);
   const int64_t head_stride = s.T * s.hd;  // the cache is [S, nkv, T, hd] per layer
   const std::vector<int64_t> kv_sizes{1, s.nkv, s.q, s.hd};
   const std::vector<int64_t> kv_strides{s.nkv * head_stride, head_stride, s.hd, 1};
-  const float* k = kc + slot * s.nkv * head_stride;
-  const float* v = vc + slot * s.nkv * head_stride;
+  const KV* k = kc + slot * s.nkv * head_stride;
+  const KV* v = vc + slot * s.nkv * head_stride;
   at::Tensor query = at::from_blob(const_cast<float*>(queries), {1, s.q, s.nh, s.hd}, f32);
+  // a float16 cache: the prompt's rows as float32 (exactly), for the float32 kernel
+  at::Tensor keys = at::from_blob(const_cast<KV*>(k), kv_sizes, kv_strides, kv_type).to(at::kFloat);
+  at::Tensor values = at::from_blob(const_cast<KV*>(v), kv_sizes, kv_strides, kv_type).to(at::kFloat);
   at::Tensor attn = at::scaled_dot_product_attention(
-      query.transpose(1, 2), at::from_blob(const_cast<float*>(k), kv_sizes, kv_strides, f32),
-      at::from_blob(const_cast<float*>(v), kv_sizes, kv_strides, f32), {}, 0.0,
+      query.transpose(1, 2), keys, values, {}, 0.0,
       /*is_causal=*/true, std::nullopt, /*enable_gqa=*/s.nh != s.nkv);  // [1, nh, q, hd]
   at::from_blob(out, {1, s.q, s.nh, s.hd}, f32).copy_(attn.transpose(1, 2));
 }
@@ -279,8 +292,9 @@ constexpr int64_t kPerLayer = 10;  // 2 norm weights + 4 projections x 2 tensors
 // after the last layer, before any final norm). layers: per layer, in this order, the
 // attention-norm weight, the q/k/v projection, the output projection, the ffn-norm weight,
 // the gate/up projection and the down projection (2 tensors each, see ``product``).
-// keys/values: the KV cache [L, S, nkv, T, hd] float32 of exactly these layers. slots [B],
-// lengths [B], mask [B, q, width] bool, write_rows [B, q]: see ``Rows``; cos/sin [B*q, hd].
+// keys/values: the KV cache [L, S, nkv, T, hd] float32 or float16 (``Transformer.kv_dtype``)
+// of exactly these layers. slots [B], lengths [B], mask [B, q, width] bool, write_rows [B, q]:
+// see ``Rows``; cos/sin [B*q, hd].
 // prompt: the rows are a fresh prompt's prefill (one sequence, nothing cached, causal mask,
 // written to rows 0..q-1): its attention may run as ``prompt_attention``.
 // int8_rows: the 4-bit products quantize their inputs to int8 (block_matmul.h, llama.cpp's
@@ -292,10 +306,12 @@ at::Tensor decoder_layers(at::Tensor x, const std::vector<at::Tensor>& layers, a
                           bool prompt, bool int8_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [rows, hidden] tensor");
-  TORCH_CHECK(keys.dim() == 5 && keys.scalar_type() == at::kFloat && keys.is_contiguous() &&
-                  values.sizes() == keys.sizes() && values.scalar_type() == at::kFloat &&
-                  values.is_contiguous(),
-              "the KV cache must be two contiguous float32 [L, S, kv_heads, T, hd] tensors");
+  const bool half_kv = keys.scalar_type() == at::kHalf;
+  TORCH_CHECK(keys.dim() == 5 && (half_kv || keys.scalar_type() == at::kFloat) &&
+                  keys.is_contiguous() && values.sizes() == keys.sizes() &&
+                  values.scalar_type() == keys.scalar_type() && values.is_contiguous(),
+              "the KV cache must be two contiguous float32 or float16 [L, S, kv_heads, T, hd] "
+              "tensors");
   TORCH_CHECK(static_cast<int64_t>(layers.size()) == kPerLayer * keys.size(0),
               "expected 10 tensors per layer of the cache");
   TORCH_CHECK(mask.dim() == 3 && mask.scalar_type() == at::kBool && mask.is_contiguous(),
@@ -344,17 +360,23 @@ at::Tensor decoder_layers(at::Tensor x, const std::vector<at::Tensor>& layers, a
   const int64_t layer_numel = s.S * s.nkv * s.T * s.hd;
   for (int64_t l = 0; l < keys.size(0); ++l) {
     const at::Tensor* w = layers.data() + kPerLayer * l;
-    float* kc = keys.data_ptr<float>() + l * layer_numel;
-    float* vc = values.data_ptr<float>() + l * layer_numel;
     rms_norm(xs, w[0].data_ptr<float>(), h.data(), n, d, eps);
     product(w + 1, h.data(), n, d, qkv, int8_rows);
     TORCH_CHECK(static_cast<int64_t>(qkv.size()) == n * (s.nh + 2 * s.nkv) * s.hd,
                 "the q/k/v projection does not match the head counts");
-    rope_and_store(qkv.data(), s, rows, queries.data(), kc, vc);
-    if (prompt)
-      prompt_attention(queries.data(), kc, vc, s, rows.slots[0], attn.data());
+    auto attention = [&](auto* kc, auto* vc) {
+      rope_and_store(qkv.data(), s, rows, queries.data(), kc, vc);
+      if (prompt)
+        prompt_attention(queries.data(), kc, vc, s, rows.slots[0], attn.data());
+      else
+        attend(queries.data(), kc, vc, s, rows, attn.data());
+    };
+    if (half_kv)
+      attention(static_cast<c10::Half*>(keys.data_ptr()) + l * layer_numel,
+                static_cast<c10::Half*>(values.data_ptr()) + l * layer_numel);
     else
-      attend(queries.data(), kc, vc, s, rows, attn.data());
+      attention(keys.data_ptr<float>() + l * layer_numel,
+                values.data_ptr<float>() + l * layer_numel);
     product(w + 3, attn.data(), n, inner, out, int8_rows);
     add(xs, out);
     rms_norm(xs, w[5].data_ptr<float>(), h.data(), n, d, eps);

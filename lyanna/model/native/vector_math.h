@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include <c10/util/Half.h>
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -30,9 +32,24 @@ inline v16 load16(const float* p) {
   return v;
 }
 
+// A float16 KV cache's row, as float32 (every float16 is exactly a float32).
+inline v16 load16(const c10::Half* p) {
+#if defined(__AVX512F__)
+  const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  v16 v;
+  std::memcpy(&v, &wide, sizeof v);
+  return v;
+#else
+  v16 v;
+  for (int64_t i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+
 // Sum of a[i] * b[i] in a fixed order: 16 interleaved partial sums, a pairwise tree over them,
 // then any tail in sequence.
-inline float dot(const float* a, const float* b, int64_t n) {
+template <class B>
+inline float dot(const float* a, const B* b, int64_t n) {
   v16 acc = {0};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) acc += load16(a + i) * load16(b + i);
@@ -41,7 +58,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
   acc += __builtin_shuffle(acc, v16i{2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3});
   acc += __builtin_shuffle(acc, v16i{1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1});
   float sum = acc[0];
-  for (; i < n; ++i) sum += a[i] * b[i];
+  for (; i < n; ++i) sum += a[i] * static_cast<float>(b[i]);
   return sum;
 }
 
@@ -69,13 +86,13 @@ inline float fast_exp(float x) {
 // The two loops of attention for a head of exactly 16 * C dims, with the query and the
 // accumulators in registers: the same operations in the same order as ``dot`` and the generic
 // loop below (so the same bits), without a round trip through memory per key.
-template <int C>
-void fixed_scores_generic(const float* query, const float* keys, const int64_t* cols,
+template <int C, class KV>
+void fixed_scores_generic(const float* query, const KV* keys, const int64_t* cols,
                           int64_t count, float scale, float* scores) {
   v16 q[C];
   for (int c = 0; c < C; ++c) q[c] = load16(query + c * kLanes);
   for (int64_t k = 0; k < count; ++k) {
-    const float* key = keys + cols[k] * C * kLanes;
+    const KV* key = keys + cols[k] * C * kLanes;
     v16 acc = {0};
     for (int c = 0; c < C; ++c) acc += q[c] * load16(key + c * kLanes);
     acc += __builtin_shuffle(acc, v16i{8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15});
@@ -93,8 +110,19 @@ void fixed_scores_generic(const float* query, const float* keys, const int64_t* 
 // same order, hence the generic loops' bits. Scores take eight keys at a time: each key's 16
 // partial sums, then the same pairwise tree (lanes i + 8, i + 4, i + 2, i + 1) for the eight
 // keys together in three shuffle steps (float addition commutes exactly).
-template <int C>
-void fixed_scores(const float* query, const float* keys, const int64_t* cols, int64_t count,
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {  // a float16 cache row as float32, exactly
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  float v[8];
+  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
+  return _mm256_loadu_ps(v);
+#endif
+}
+
+template <int C, class KV>
+void fixed_scores(const float* query, const KV* keys, const int64_t* cols, int64_t count,
                   float scale, float* scores) {
   __m256 q[2 * C];  // the query as 16-lane chunks, each two registers
   for (int c = 0; c < 2 * C; ++c) q[c] = _mm256_loadu_ps(query + 8 * c);
@@ -104,11 +132,11 @@ void fixed_scores(const float* query, const float* keys, const int64_t* cols, in
   for (; k + 8 <= count; k += 8) {
     __m256 half[8];  // key j: lanes i + (i + 8) of its 16 partial sums
     for (int j = 0; j < 8; ++j) {
-      const float* key = keys + cols[k + j] * C * kLanes;
+      const KV* key = keys + cols[k + j] * C * kLanes;
       __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
       for (int c = 0; c < C; ++c) {
-        lo = _mm256_add_ps(lo, _mm256_mul_ps(q[2 * c], _mm256_loadu_ps(key + 16 * c)));
-        hi = _mm256_add_ps(hi, _mm256_mul_ps(q[2 * c + 1], _mm256_loadu_ps(key + 16 * c + 8)));
+        lo = _mm256_add_ps(lo, _mm256_mul_ps(q[2 * c], load8(key + 16 * c)));
+        hi = _mm256_add_ps(hi, _mm256_mul_ps(q[2 * c + 1], load8(key + 16 * c + 8)));
       }
       half[j] = _mm256_add_ps(lo, hi);
     }
@@ -129,37 +157,37 @@ void fixed_scores(const float* query, const float* keys, const int64_t* cols, in
   if (k < count) fixed_scores_generic<C>(query, keys, cols + k, count - k, scale, scores + k);
 }
 #else
-template <int C>
-void fixed_scores(const float* query, const float* keys, const int64_t* cols, int64_t count,
+template <int C, class KV>
+void fixed_scores(const float* query, const KV* keys, const int64_t* cols, int64_t count,
                   float scale, float* scores) {
   fixed_scores_generic<C>(query, keys, cols, count, scale, scores);
 }
 #endif
 
 #if defined(__AVX2__) && !defined(LYANNA_GENERIC_ATTENTION)
-template <int C>
-void fixed_values(const float* values, const int64_t* cols, const float* weights, int64_t count,
+template <int C, class KV>
+void fixed_values(const KV* values, const int64_t* cols, const float* weights, int64_t count,
                   float inv, float* dst) {
   __m256 acc[2 * C];
   for (int c = 0; c < 2 * C; ++c) acc[c] = _mm256_setzero_ps();
   for (int64_t k = 0; k < count; ++k) {
     const __m256 p = _mm256_set1_ps(weights[k]);
-    const float* v = values + cols[k] * C * kLanes;
+    const KV* v = values + cols[k] * C * kLanes;
     for (int c = 0; c < 2 * C; ++c)
-      acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(p, _mm256_loadu_ps(v + 8 * c)));
+      acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(p, load8(v + 8 * c)));
   }
   const __m256 scale = _mm256_set1_ps(inv);
   for (int c = 0; c < 2 * C; ++c) _mm256_storeu_ps(dst + 8 * c, _mm256_mul_ps(acc[c], scale));
 }
 #else
-template <int C>
-void fixed_values(const float* values, const int64_t* cols, const float* weights, int64_t count,
+template <int C, class KV>
+void fixed_values(const KV* values, const int64_t* cols, const float* weights, int64_t count,
                   float inv, float* dst) {
   v16 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = v16{0};
   for (int64_t k = 0; k < count; ++k) {
     const v16 p = v16{0} + weights[k];
-    const float* v = values + cols[k] * C * kLanes;
+    const KV* v = values + cols[k] * C * kLanes;
     for (int c = 0; c < C; ++c) acc[c] += p * load16(v + c * kLanes);
   }
   for (int c = 0; c < C; ++c)
