@@ -77,15 +77,20 @@ def test_overlays_render_and_validate_strictly(overlay: str) -> None:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_gpu_pools_and_placement(overlay: str) -> None:
+    """GPU pools: the verifier on one GPU of the pool, told to use it in bfloat16; the
+    drafter (CPU-only learned drafters) without a GPU, next to the verifier."""
     docs = documents(overlay)
     for role in ("verifier", "drafter"):
         pod = pod_of(docs[("Deployment", f"lyanna-{role}")])
         limits = pod["containers"][0]["resources"]["limits"]
-        if overlay == "cpu":
-            assert "nvidia.com/gpu" not in limits and "affinity" not in pod
+        env = {e["name"]: e["value"] for e in pod["containers"][0].get("env", [])}
+        if overlay == "cpu" or role == "drafter":
+            assert "nvidia.com/gpu" not in limits and "nodeAffinity" not in pod.get("affinity", {})
+            assert not any(k.endswith("_DEVICE") for k in env)
             continue
         assert limits["nvidia.com/gpu"] == 1
         assert pod["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] == 1
+        assert env == {"LYANNA_VERIFIER_DEVICE": "cuda", "LYANNA_VERIFIER_DTYPE": "bfloat16"}
         assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
         terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
         products = terms["nodeSelectorTerms"][0]["matchExpressions"][0]["values"]
@@ -93,7 +98,8 @@ def test_gpu_pools_and_placement(overlay: str) -> None:
         mounts = {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
         assert "/dev/shm" in mounts
     drafter = pod_of(docs[("Deployment", "lyanna-drafter")])
-    if overlay != "cpu":  # next to its data-plane peer
+    if overlay != "cpu":  # on the verifier's (tainted GPU) node
+        assert any(t["key"] == "nvidia.com/gpu" for t in drafter["tolerations"])
         near = drafter["affinity"]["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
         assert near[0]["podAffinityTerm"]["labelSelector"]["matchLabels"] == {
             "app.kubernetes.io/component": "verifier"
