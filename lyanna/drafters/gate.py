@@ -28,7 +28,9 @@ A gated-off step need not be a plain one: with a ``fallback`` drafter that costs
 sequences draft from it instead, its trees cut by the same cost curve. Where the learned
 drafter does not pay, as on a CPU whose every verified row costs a fifth of a step, the
 method then drafts what is free rather than nothing. Such steps are not quiet: they are
-proposed like any other.
+proposed like any other. The learned drafter must then beat the fallback, not plain steps:
+each sequence also keeps the fallback's tokens per step it drafted, and only the learned
+drafter's excess over it pays for the draft and its rows.
 
 Lossless by construction: a gated-off sequence verifies a root-only tree (a plain decode
 step) or the fallback's tree with the rule of its own scheme, and the wrapped drafter still
@@ -65,6 +67,7 @@ class GateConfig:
 @dataclass(slots=True)
 class _SeqGate:
     accepted: float  # running average of draft tokens accepted per drafted step
+    fallback: float = 0.0  # ... per step a free fallback drafted instead (GatedDrafter)
     width: float = 1.0  # running average of draft nodes per drafted step
     waited: int = 0  # plain steps since the last drafted one
     probe_after: int = 0
@@ -82,21 +85,27 @@ class DraftGate:
         self._seqs: dict[int, _SeqGate] = {}
         # accepted tokens per drafted step over every sequence, greedy (False) and sampled
         self.population = {False: self.config.prior, True: self.config.prior}
+        # ... per step drafted by a free fallback instead (0 without one)
+        self.fallback_population = {False: 0.0, True: 0.0}
 
     def start(self, seq_id: int, sampled: bool = False) -> None:
         self._seqs[seq_id] = _SeqGate(
-            self.population[sampled], probe_after=self.config.probe_after, sampled=sampled
+            self.population[sampled],
+            self.fallback_population[sampled],
+            probe_after=self.config.probe_after,
+            sampled=sampled,
         )
 
     def release(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
 
     def pays(self, seq_id: int, batch: int) -> bool:
-        """Whether drafting ``seq_id`` raises the step's expected tokens per second."""
+        """Whether drafting ``seq_id`` raises the step's expected tokens per second over what
+        a gated-off step yields (nothing, or a free fallback's drafts)."""
         gate = self._seqs[seq_id]
         step = self.cost.forward_seconds(batch)
         rows = self.cost.forward_seconds(batch + max(1, round(gate.width))) - step
-        return gate.accepted * step / batch >= self.draft_seconds + rows
+        return (gate.accepted - gate.fallback) * step / batch >= self.draft_seconds + rows
 
     def choose(self, seq_ids: list[int]) -> list[bool]:
         """Which of this step's sequences draft: those whose last drafted step still pays, and
@@ -132,6 +141,14 @@ class DraftGate:
     def drafting(self, seq_id: int) -> bool:
         """Whether the sequence's step in flight was drafted."""
         return self._seqs[seq_id].drafted
+
+    def fallback_verified(self, seq_id: int, num_accepted: int) -> None:
+        """A gated-off step that a free fallback drafted accepted ``num_accepted`` tokens."""
+        gate = self._seqs[seq_id]
+        gate.fallback += self.config.alpha * (num_accepted - gate.fallback)
+        population = self.fallback_population[gate.sampled]
+        population += self.config.population_alpha * (num_accepted - population)
+        self.fallback_population[gate.sampled] = population
 
     def verified(self, seq_id: int, num_accepted: int) -> None:
         gate = self._seqs[seq_id]
@@ -198,7 +215,10 @@ class GatedDrafter:
         resampled = self.inner.on_verified(steps)
         self.plain.on_verified(steps)
         for step in steps:
-            self.num_gated_steps += not self.gate.drafting(step.seq_id)
+            gated = not self.gate.drafting(step.seq_id)
+            self.num_gated_steps += gated
+            if gated and self.drafts_when_gated:
+                self.gate.fallback_verified(step.seq_id, step.num_accepted)
             self.gate.verified(step.seq_id, step.num_accepted)
         return resampled
 

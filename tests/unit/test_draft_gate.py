@@ -212,3 +212,17 @@ def test_make_drafter_gives_gated_learned_drafters_the_ngram_fallback(monkeypatc
     plain = drafters.make_drafter("learned", model, budget, free_fallback=False)
     assert not plain.drafts_when_gated
     assert not isinstance(drafters.make_drafter("ngram", model, budget), GatedDrafter)
+
+
+def test_with_a_fallback_the_learned_drafter_must_beat_it_not_plain_steps() -> None:
+    """Learned drafts accepting 0.6 tokens pay against plain steps at half a step per row, but
+    not against a free fallback whose drafts accept 0.5 tokens per step."""
+    gate = DraftGate(HALF_STEP_ROW, GateConfig(prior=0.6, alpha=1.0))
+    gate.start(0)
+    assert gate.pays(0, batch=1)  # 0.6 >= 0.5
+    gate.fallback_verified(0, 1)  # the fallback drafted a token that was accepted
+    assert not gate.pays(0, batch=1)  # (0.6 - 1.0) < 0.5
+    gate.fallback_verified(0, 0)
+    assert gate.pays(0, batch=1)
+    gate.start(1)  # a new sequence starts from the fallback's population average
+    assert 0 < gate._seqs[1].fallback < 1
