@@ -29,15 +29,18 @@ def checkpoint_dir(name: str) -> Path:
     return Path(os.environ.get(CHECKPOINTS_ENV) or REPO_CHECKPOINTS) / name
 
 
-def read_checkpoint(path: str | Path, what: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(config dict, state dict) of the checkpoint at ``path``; ``what`` names it in errors."""
+def read_checkpoint(
+    path: str | Path, what: str, weights_file: str = WEIGHTS
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config dict, state dict) of the checkpoint at ``path``; ``what`` names it in errors,
+    ``weights_file`` is its safetensors file (sha256 checked against the manifest's)."""
     path = Path(path)
-    weights = path / WEIGHTS
+    weights = path / weights_file
     if not weights.is_file() or not (path / "config.json").is_file():
         raise FileNotFoundError(f"no {what} checkpoint at {path} (see training/README.md)")
     manifest_file = path / "manifest.json"
     if manifest_file.is_file():
-        expected = json.loads(manifest_file.read_text()).get("sha256", {}).get(WEIGHTS)
+        expected = json.loads(manifest_file.read_text()).get("sha256", {}).get(weights_file)
         if expected is not None and sha256_of(weights) != expected:
             raise ValueError(f"sha256 mismatch for {weights}")
     return json.loads((path / "config.json").read_text()), load_file(weights)

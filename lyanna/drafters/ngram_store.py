@@ -26,9 +26,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from lyanna.drafters.checkpoint import checkpoint_dir
+from lyanna.drafters.checkpoint import checkpoint_dir, read_checkpoint
 from lyanna.model.default import sha256_of
 
 DEFAULT_STORE = "ngram-smollm2-135m"
@@ -183,18 +183,10 @@ class NgramStore:
 
     @classmethod
     def load(cls, path: str | Path) -> NgramStore:
-        """The store at ``path``; its sha256 is checked against the manifest first."""
-        path = Path(path)
-        store_file = path / STORE_FILE
-        if not store_file.is_file() or not (path / "config.json").is_file():
-            raise FileNotFoundError(f"no n-gram store at {path} (python -m training.ngram_store)")
-        manifest_file = path / "manifest.json"
-        if manifest_file.is_file():
-            expected = json.loads(manifest_file.read_text()).get("sha256", {}).get(STORE_FILE)
-            if expected is not None and sha256_of(store_file) != expected:
-                raise ValueError(f"sha256 mismatch for {store_file}")
-        config = StoreConfig(**json.loads((path / "config.json").read_text()))
-        t = load_file(str(store_file))
+        """The store at ``path`` (``python -m training.ngram_store`` writes one); its sha256
+        is checked against the manifest first."""
+        settings, t = read_checkpoint(path, "n-gram store", STORE_FILE)
+        config = StoreConfig(**settings)
         tokens = t["tokens"].numpy().view(np.uint16).astype(np.int64)
         tokens[tokens == _NONE16] = -1
         shares = t["shares"].float().numpy()
