@@ -13,7 +13,7 @@ token (no new forward) and the subtree is either merged into the next verificati
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -52,6 +52,9 @@ class _SeqState:
     root: int  # next tree's root token (not yet in the target KV)
     pending: torch.Tensor  # [m, n] fused inputs waiting for the draft KV
     next_position: int  # position of pending[0]
+    # verified steps' hidden rows and following tokens not yet fused: fused together when the
+    # sequence next drafts (a gated-off sequence may not draft for many steps)
+    unfused: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     chain_logits: torch.Tensor | None = None  # [N, num_hot] of the last fresh chain
     resampled: DraftNodes | None = None
     resampled_paths: frozenset[tuple[int, ...]] = frozenset()  # token paths only it proposed
@@ -118,9 +121,7 @@ class LyannaDrafter(SampledDrafting):
         for step in steps:
             state = self.seqs[step.seq_id]
             following = torch.tensor([*step.committed[1:], step.next_token])
-            with torch.inference_mode():
-                fused = self.draft.fuse(self._own_dtype(step.hidden), following)
-            state.pending = torch.cat([state.pending, fused])
+            state.unfused.append((step.hidden, following))
             if count := _resampled_accepted(state, step):
                 resampled[step.seq_id] = count
             state.root = step.next_token
@@ -175,6 +176,15 @@ class LyannaDrafter(SampledDrafting):
 
     # -- internals -------------------------------------------------------------------------
 
+    def _fuse_pending(self, state: _SeqState) -> None:
+        """Fuse the verified steps' rows waiting since the sequence last drafted, in one call."""
+        if state.unfused:
+            hidden = torch.cat([h for h, _ in state.unfused])
+            following = torch.cat([t for _, t in state.unfused])
+            fused = self.draft.fuse(self._own_dtype(hidden), following)
+            state.pending = torch.cat([state.pending, fused])
+            state.unfused.clear()
+
     def _own_dtype(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's hidden rows in the draft's own dtype (a bf16 target's rows run
         through a float32 draft; a no-op when they agree)."""
@@ -206,6 +216,8 @@ class LyannaDrafter(SampledDrafting):
     def _chains(self, states: list[_SeqState]) -> torch.Tensor:  # [B, N, n]
         """h1 from the pending context, then h2..hN from the chain alone."""
         draft, cache = self.draft, self.cache
+        for s in states:
+            self._fuse_pending(s)
         slots = torch.tensor([s.slot for s in states])
         counts = [s.pending.shape[0] for s in states]
         width = max(counts)

@@ -123,10 +123,13 @@ def forward_seconds(
 ) -> dict[int, float]:
     """Median seconds of a verification forward (+ LM head on every row) over each number
     of new rows, behind ``context`` cached ones (nothing is committed). The row counts take
-    turns within each repeat, and each count's extra cost over one row is the median of
-    differences with a 1-row forward run just before it: on a machine whose speed drifts,
-    separately taken medians once put 2 rows at the cost of 1 (measured 4.955 vs 4.975 ms)
-    where adjacent pairs see the 10-20 % a second row costs."""
+    turns within each round (a machine whose speed drifts slows them alike), and each count
+    is timed on its second forward in a row: the first forward after one of another size
+    pays for the switch (measured: a one-row forward right after a 32-row one took 2.78 ms
+    where back-to-back one-row forwards take 2.61). Timing one row just before each other
+    count, as this did before, priced a second row at +2-4 % of a step where steady
+    decoding pays +11-15 % (the engine's own step times), so drafts looked cheaper than
+    they are."""
     device = model.embed_tokens.weight.device
     cache = model.new_cache(1, context + max(rows) + 1)
     slot = torch.tensor([cache.allocate()], device="cpu")
@@ -155,22 +158,14 @@ def forward_seconds(
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    paired = 1 in rows and len(rows) > 1
-    times: dict[int, list[float]] = {r: [] for r in rows}  # paired: extra seconds over 1 row
-    for i in range(repeats + 2):  # two warm-up rounds; row counts take turns (see measure)
+    times: dict[int, list[float]] = {r: [] for r in rows}
+    for i in range(repeats + 1):  # a warm-up round, then row counts take turns
         for r in rows:
-            if paired and r == 1:
-                continue  # timed before every other count instead
-            base = timed(1) if paired else 0.0
-            seconds = timed(r) - base
-            if i >= 2:
+            timed(r)  # the switch from the previous count
+            seconds = timed(r)
+            if i:
                 times[r].append(seconds)
-                if paired:
-                    times[1].append(base)
-    median = {r: sorted(ts)[len(ts) // 2] for r, ts in times.items()}
-    if paired:
-        return {r: median[1] + (max(median[r], 0.0) if r != 1 else 0.0) for r in rows}
-    return median
+    return {r: sorted(ts)[len(ts) // 2] for r, ts in times.items()}
 
 
 def verify_cost(model: Transformer) -> VerifyCost:
@@ -181,7 +176,7 @@ def verify_cost(model: Transformer) -> VerifyCost:
         weights = f"q4-native-{build_key()}" if model.native is not None else "q4"
         weights += "-a8" if model._native_int8_rows else ""
     device = model.embed_tokens.weight.device
-    kind = f"verify_cost2|{weights}|{model.dtype}|{device.type}"  # 2: paired timings
+    kind = f"verify_cost3|{weights}|{model.dtype}|{device.type}"  # 3: settled timings
 
     def measure_curve() -> dict:
         seconds = forward_seconds(model, COST_ROWS)
