@@ -99,11 +99,8 @@ class NgramStore:
             offset += len(ids)
         flat = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
         target = np.concatenate(targets) if targets else np.zeros(0, np.int64)
-        starts = np.zeros(len(flat), np.int64)  # each position's sequence start
-        offset = 0
-        for ids in chunks:
-            starts[offset : offset + len(ids)] = offset
-            offset += len(ids)
+        lengths = np.array([len(ids) for ids in chunks], np.int64)
+        starts = np.repeat(np.cumsum(lengths) - lengths, lengths)  # each position's sequence start
         all_keys, all_next = [], []
         for n in range(1, config.max_n + 1):
             pos = target[target - n >= starts[target]]

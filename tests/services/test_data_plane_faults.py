@@ -17,14 +17,18 @@ from tests.services.plane_peer import plane_peer, rows_of
 PLANE_TIMEOUT = 30.0  # the plane's own timeout: "promptly" is well below it
 
 
+def send_and_claim(peer, rows: int, columns: int, fill: int) -> int:
+    """One transfer sent and claimed intact (the plane works before the fault); its id."""
+    transfer_id = peer.send(rows, columns, fill=fill)
+    got = peer.plane.recv(transfer_id, (rows, columns), torch.float32, timeout=PLANE_TIMEOUT)
+    assert torch.equal(got, rows_of(rows, columns, torch.float32, fill))
+    return transfer_id
+
+
 def test_a_waiting_receive_raises_promptly_when_the_peer_dies() -> None:
     with plane_peer() as peer:
         plane = peer.plane
-        first = peer.send(2, 4, fill=1)
-        assert torch.equal(
-            plane.recv(first, (2, 4), torch.float32, timeout=PLANE_TIMEOUT),
-            rows_of(2, 4, torch.float32, 1),
-        )
+        first = send_and_claim(peer, 2, 4, fill=1)
         outcome: list[BaseException | torch.Tensor] = []
 
         def wait() -> None:
@@ -76,11 +80,7 @@ def test_a_corrupt_header_breaks_the_plane_without_allocating(header) -> None:
 def test_close_stops_the_receiver_and_fails_later_receives() -> None:
     with plane_peer() as peer:
         plane = peer.plane
-        transfer_id = peer.send(1, 3, fill=2)
-        assert torch.equal(
-            plane.recv(transfer_id, (1, 3), torch.float32, timeout=PLANE_TIMEOUT),
-            rows_of(1, 3, torch.float32, 2),
-        )
+        transfer_id = send_and_claim(peer, 1, 3, fill=2)
         receiver = plane._receiver
         assert receiver.is_alive()
         start = time.monotonic()
