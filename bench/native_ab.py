@@ -1,0 +1,57 @@
+"""A/B of the native decoder in one process: the default build against builds with a define
+(``LYANNA_NO_PREFETCH``: the block products without their software prefetch), and the
+target's KV cache in float16 (the default) against float32. Every variant times the same
+model's forward + LM head over q new rows behind ``--context`` cached ones
+(``lyanna.model.calibrate.forward_seconds``), the variants taking turns for ``--rounds``
+rounds, so a machine whose speed drifts slows them alike.
+
+    python -m bench.native_ab --context 300 1000 --threads 2 \\
+        --builds default LYANNA_NO_PREFETCH --kv float16 float32
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench.common import print_table
+from lyanna.model import fetch_default_model, load_model
+from lyanna.model.calibrate import forward_seconds
+from lyanna.model.native import load_decoder, load_decoder_variant
+
+ROWS = (1, 2, 4, 8, 16)
+KV_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--context", type=int, nargs="+", default=[300])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--builds", nargs="+", default=["default", "LYANNA_NO_PREFETCH"])
+    parser.add_argument("--kv", nargs="+", choices=sorted(KV_DTYPES), default=["float16"])
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    model = load_model(fetch_default_model(), weights="q4")
+    if model.native is None:
+        raise SystemExit("the native decoder is unavailable (a C++ compiler is needed)")
+    builds = {b: load_decoder() if b == "default" else load_decoder_variant(b) for b in args.builds}
+    rows = []
+    for context in args.context:
+        for round_ in range(args.rounds):
+            for build, extension in builds.items():
+                for kv in args.kv:
+                    model.native, model.kv_dtype = extension, KV_DTYPES[kv]
+                    ms = forward_seconds(model, ROWS, context=context)
+                    rows.append([context, round_, build, kv, *(f"{ms[q] * 1e3:.2f}" for q in ROWS)])
+    model.native, model.kv_dtype = load_decoder(), torch.float16
+    print(f"\nforward + LM head, ms (threads {args.threads}):\n")
+    print_table(["context", "round", "build", "kv", *(f"q={q}" for q in ROWS)], rows)
+
+
+if __name__ == "__main__":
+    main()
