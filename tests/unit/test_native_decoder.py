@@ -271,12 +271,14 @@ def test_a_resumed_sequence_gets_back_the_kv_decoding_gave_it(extension) -> None
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("head_dim", [32, 64])
-def test_avx2_attention_keeps_the_generic_bits(head_dim: int, kv_dtype, extension) -> None:
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_fast_attention_keeps_the_generic_bits(head_dim: int, kv_dtype, extension) -> None:
     """Attention's loops run on 8-lane registers where the CPU has AVX2 (scores eight keys at a
-    time); the build with the generic 16-lane loops (``LYANNA_GENERIC_ATTENTION``) must give
-    the same hidden states, bit for bit, over contexts that are and are not multiples of eight
-    keys, with the target's float16 cache and the drafters' float32 one."""
+    time) and, with AVX-512, over blocks of queries that share a KV head (sixteen keys reduced
+    at once); the build with the generic 16-lane loops, one query at a time
+    (``LYANNA_GENERIC_ATTENTION``), must give the same hidden states, bit for bit, over
+    contexts that are and are not multiples of eight and sixteen keys, with the target's
+    float16 cache and the drafters' float32 one."""
     from lyanna.model.native import load_decoder_variant
 
     generic_ext = load_decoder_variant("LYANNA_GENERIC_ATTENTION")

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "block_matmul.h"
@@ -29,6 +30,7 @@ namespace {
 
 using bf16 = c10::BFloat16;
 constexpr int64_t kGroup = 32;  // GGUF block size = the int4 kernel's group size
+constexpr int64_t kMaxBlockQueries = 6;  // queries per attention task (at most)
 
 using namespace vec;  // vector_math.h
 
@@ -174,72 +176,175 @@ void rope_and_store(const float* qkv, const Shape& s, const Rows& rows, float* q
     }
 }
 
+// The columns new row r (of sequence b) sees beyond the first lengths[b] cached rows: lengths[b]
+// + k wherever mask[r, k], ascending.
+inline void tree_columns(const Rows& rows, int64_t b, int64_t r, std::vector<int64_t>& cols) {
+  cols.clear();
+  const bool* seen = rows.mask + r * rows.width;
+  for (int64_t k = 0; k < rows.width; ++k)
+    if (seen[k]) cols.push_back(rows.lengths[b] + k);
+}
+
+// One query's attention over the rows it sees (the first L of its slot, then `tree`), given
+// scores [L + tree.size()] of which the first `done` are already computed; the output row is
+// acc (the values of the first `done_values` rows, already summed) continued, times 1 / sum.
+template <class KV>
+void finish_query(const float* query, const KV* keys, const KV* values, int64_t L,
+                  const std::vector<int64_t>& tree, int64_t hd, float scale, float* scores,
+                  std::vector<int64_t>& cols, float* dst) {
+  const int64_t count = L + static_cast<int64_t>(tree.size()), chunks = hd / kLanes;
+  const bool fixed = hd % kLanes == 0 && (chunks == 2 || chunks == 4 || chunks == 8);
+  cols.resize(L);
+  for (int64_t k = 0; k < L; ++k) cols[k] = k;
+  cols.insert(cols.end(), tree.begin(), tree.end());
+  if (fixed && chunks == 4)
+    fixed_scores<4>(query, keys, cols.data(), count, scale, scores);
+  else if (fixed && chunks == 8)
+    fixed_scores<8>(query, keys, cols.data(), count, scale, scores);
+  else if (fixed)
+    fixed_scores<2>(query, keys, cols.data(), count, scale, scores);
+  else
+    for (int64_t k = 0; k < count; ++k) scores[k] = dot(query, keys + cols[k] * hd, hd) * scale;
+  const float inv = softmax_weights(scores, count);
+  if (fixed) {
+    if (chunks == 4)
+      fixed_values<4>(values, cols.data(), scores, count, inv, dst);
+    else if (chunks == 8)
+      fixed_values<8>(values, cols.data(), scores, count, inv, dst);
+    else
+      fixed_values<2>(values, cols.data(), scores, count, inv, dst);
+    return;
+  }
+  const int64_t rest = hd % kLanes;
+  v16 acc[kMaxHeadDim / kLanes];
+  float tail[kLanes];
+  for (int64_t c = 0; c < chunks; ++c) acc[c] = v16{0};
+  std::fill(tail, tail + kLanes, 0.f);
+  for (int64_t k = 0; k < count; ++k) {
+    const v16 p = v16{0} + scores[k];
+    const KV* v = values + cols[k] * hd;
+    for (int64_t c = 0; c < chunks; ++c) acc[c] += p * load16(v + c * kLanes);
+    for (int64_t i = 0; i < rest; ++i) tail[i] += scores[k] * static_cast<float>(v[chunks * kLanes + i]);
+  }
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int64_t i = 0; i < kLanes; ++i) dst[c * kLanes + i] = acc[c][i] * inv;
+  for (int64_t i = 0; i < rest; ++i) dst[chunks * kLanes + i] = tail[i] * inv;
+}
+
+#ifdef LYANNA_GROUPED_ATTENTION
+static_assert(kMaxBlock <= kMaxBlockQueries, "an attention task holds at most kMaxBlockQueries");
+
+// A block of queries that share a KV head and a sequence: the cached rows by block_scores /
+// block_values (each row loaded once for the block), each query's tree rows after them.
+template <int C, int NQ, class KV>
+void grouped_block(const float* const* query, float* const* dst, const KV* keys,
+                   const KV* values, int64_t L, const std::vector<int64_t>* const* tree,
+                   float scale, std::vector<float>& scratch) {
+  const int64_t width = L + kLanes + 64;  // + room for the block's tail and any tree
+  int64_t longest = 0;
+  for (int i = 0; i < NQ; ++i) longest = std::max<int64_t>(longest, tree[i]->size());
+  const int64_t stride = width + longest;
+  scratch.resize(NQ * (stride + kLanes * kLanes + C * kLanes));
+  float* scores[NQ];
+  float* acc[NQ];
+  float* partial = scratch.data() + NQ * stride;
+  for (int i = 0; i < NQ; ++i) {
+    scores[i] = scratch.data() + i * stride;
+    acc[i] = partial + NQ * kLanes * kLanes + i * C * kLanes;
+  }
+  block_scores<C, NQ>(query, keys, L, scale, scores, partial);
+  float inv[NQ];
+  for (int i = 0; i < NQ; ++i) {
+    const std::vector<int64_t>& cols = *tree[i];
+    const int64_t m = static_cast<int64_t>(cols.size());
+    if (m) fixed_scores_generic<C>(query[i], keys, cols.data(), m, scale, scores[i] + L);
+    inv[i] = softmax_weights(scores[i], L + m);
+  }
+  block_values<C, NQ>(values, L, scores, acc);
+  for (int i = 0; i < NQ; ++i) {
+    v16 a[C];
+    for (int c = 0; c < C; ++c) a[c] = load16(acc[i] + c * kLanes);
+    const std::vector<int64_t>& cols = *tree[i];
+    for (size_t k = 0; k < cols.size(); ++k) {
+      const v16 p = v16{0} + scores[i][L + k];
+      const KV* v = values + cols[k] * C * kLanes;
+      for (int c = 0; c < C; ++c) a[c] += p * load16(v + c * kLanes);
+    }
+    for (int c = 0; c < C; ++c)
+      for (int64_t l = 0; l < kLanes; ++l) dst[i][c * kLanes + l] = a[c][l] * inv[i];
+  }
+}
+
+template <int C, int NQ = kMaxBlock, class KV>
+void grouped_dispatch(int nq, const float* const* query, float* const* dst, const KV* keys,
+                      const KV* values, int64_t L, const std::vector<int64_t>* const* tree,
+                      float scale, std::vector<float>& scratch) {
+  if constexpr (NQ > 1) {
+    if (nq < NQ)
+      return grouped_dispatch<C, NQ - 1>(nq, query, dst, keys, values, L, tree, scale, scratch);
+  }
+  grouped_block<C, NQ>(query, dst, keys, values, L, tree, scale, scratch);
+}
+#endif
+
 // Attention of every new row over exactly the rows it sees, in ascending order; out
-// [B*q, nh*hd]. Keys and values are float32 or float16 (read as float32: exactly).
+// [B*q, nh*hd]. Keys and values are float32 or float16 (read as float32: exactly). Work is
+// split into tasks of up to `block` queries of one sequence and one KV head (its heads for
+// every new row: they all see the sequence's cached rows); each query's arithmetic is the
+// same whatever its task, so a row's result does not depend on what shares the forward.
 template <class KV>
 void attend(const float* queries, const KV* kc, const KV* vc, const Shape& s, const Rows& rows,
             float* out) {
-  const int64_t group = s.nh / s.nkv;
+  const int64_t group = s.nh / s.nkv, per_kv = s.q * group;
   const float scale = 1.f / std::sqrt(static_cast<float>(s.hd));
-  const int64_t tasks = s.B * s.q * s.nh;
-  at::parallel_for(0, tasks, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+  const int64_t chunks = s.hd / kLanes;
+  int64_t block = 1;
+#ifdef LYANNA_GROUPED_ATTENTION
+  const bool grouped = s.hd % kLanes == 0 && (chunks == 2 || chunks == 4 || chunks == 8);
+  if (grouped) {  // at least two tasks per thread where the queries allow
+    const int64_t most = std::min<int64_t>(kMaxBlock, 24 / chunks);
+    const int64_t spread = s.B * s.nkv * per_kv / (2 * at::get_num_threads());
+    block = std::max<int64_t>(1, std::min({most, spread, per_kv}));
+  }
+#endif
+  const int64_t blocks_per_kv = (per_kv + block - 1) / block;
+  at::parallel_for(0, s.B * s.nkv * blocks_per_kv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
     std::vector<int64_t> cols;
-    v16 acc[kMaxHeadDim / kLanes];
-    float tail[kLanes];
-    const int64_t chunks = s.hd / kLanes, rest = s.hd % kLanes;
+    std::vector<int64_t> trees[kMaxBlockQueries];
     for (int64_t t = begin; t < end; ++t) {
-      // consecutive tasks share a head, so its keys and values stay in this core's cache
-      const int64_t rows_total = s.B * s.q, h = t / rows_total, r = t % rows_total, b = r / s.q;
+      const int64_t b = t / (s.nkv * blocks_per_kv), g = (t / blocks_per_kv) % s.nkv;
+      const int64_t first = (t % blocks_per_kv) * block, nq = std::min(block, per_kv - first);
       const int64_t L = rows.lengths[b];
-      cols.resize(L);
-      for (int64_t k = 0; k < L; ++k) cols[k] = k;
-      const bool* seen = rows.mask + r * rows.width;
-      for (int64_t k = 0; k < rows.width; ++k)
-        if (seen[k]) cols.push_back(L + k);
-      const int64_t count = static_cast<int64_t>(cols.size()), g = h / group;
       const KV* keys = kc + (rows.slots[b] * s.nkv + g) * s.T * s.hd;
       const KV* values = vc + (rows.slots[b] * s.nkv + g) * s.T * s.hd;
-      const float* query = queries + (r * s.nh + h) * s.hd;
-      scores.resize(count);
-      const bool fixed = rest == 0 && (chunks == 2 || chunks == 4 || chunks == 8);
-      if (fixed && chunks == 4)
-        fixed_scores<4>(query, keys, cols.data(), count, scale, scores.data());
-      else if (fixed && chunks == 8)
-        fixed_scores<8>(query, keys, cols.data(), count, scale, scores.data());
-      else if (fixed)
-        fixed_scores<2>(query, keys, cols.data(), count, scale, scores.data());
-      else
-        for (int64_t k = 0; k < count; ++k)
-          scores[k] = dot(query, keys + cols[k] * s.hd, s.hd) * scale;
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t k = 0; k < count; ++k) top = std::max(top, scores[k]);
-      for (int64_t k = 0; k < count; ++k) scores[k] = fast_exp(scores[k] - top);
-      float total = 0.f;
-      for (int64_t k = 0; k < count; ++k) total += scores[k];
-      float* dst = out + (r * s.nh + h) * s.hd;
-      const float inv = count ? 1.f / total : 0.f;
-      if (fixed) {
-        if (chunks == 4)
-          fixed_values<4>(values, cols.data(), scores.data(), count, inv, dst);
-        else if (chunks == 8)
-          fixed_values<8>(values, cols.data(), scores.data(), count, inv, dst);
-        else
-          fixed_values<2>(values, cols.data(), scores.data(), count, inv, dst);
+      const float* query[kMaxBlockQueries];
+      float* dst[kMaxBlockQueries];
+      const std::vector<int64_t>* tree[kMaxBlockQueries];
+      for (int64_t i = 0; i < nq; ++i) {  // query first + i: new row j, head g * group + i % group
+        const int64_t j = (first + i) / group, h = g * group + (first + i) % group;
+        const int64_t r = b * s.q + j;
+        tree_columns(rows, b, r, trees[i]);
+        tree[i] = &trees[i];
+        query[i] = queries + (r * s.nh + h) * s.hd;
+        dst[i] = out + (r * s.nh + h) * s.hd;
+      }
+#ifdef LYANNA_GROUPED_ATTENTION
+      if (grouped) {
+        auto run = [&](auto c) {
+          grouped_dispatch<decltype(c)::value>(static_cast<int>(nq), query, dst, keys, values, L,
+                                               tree, scale, scratch);
+        };
+        if (chunks == 2) run(std::integral_constant<int, 2>{});
+        else if (chunks == 4) run(std::integral_constant<int, 4>{});
+        else run(std::integral_constant<int, 8>{});
         continue;
       }
-      for (int64_t c = 0; c < chunks; ++c) acc[c] = v16{0};
-      std::fill(tail, tail + kLanes, 0.f);
-      for (int64_t k = 0; k < count; ++k) {
-        const v16 p = v16{0} + scores[k];
-        const KV* v = values + cols[k] * s.hd;
-        for (int64_t c = 0; c < chunks; ++c) acc[c] += p * load16(v + c * kLanes);
-        for (int64_t i = 0; i < rest; ++i)
-          tail[i] += scores[k] * static_cast<float>(v[chunks * kLanes + i]);
+#endif
+      for (int64_t i = 0; i < nq; ++i) {
+        scratch.resize(L + trees[i].size() + kLanes);
+        finish_query(query[i], keys, values, L, trees[i], s.hd, scale, scratch.data(), cols, dst[i]);
       }
-      for (int64_t c = 0; c < chunks; ++c)
-        for (int64_t i = 0; i < kLanes; ++i) dst[c * kLanes + i] = acc[c][i] * inv;
-      for (int64_t i = 0; i < rest; ++i) dst[chunks * kLanes + i] = tail[i] * inv;
     }
   });
 }

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include <c10/util/Half.h>
 
@@ -93,8 +94,8 @@ void fixed_scores_generic(const float* query, const KV* keys, const int64_t* col
   for (int c = 0; c < C; ++c) q[c] = load16(query + c * kLanes);
   for (int64_t k = 0; k < count; ++k) {
     const KV* key = keys + cols[k] * C * kLanes;
-    v16 acc = {0};
-    for (int c = 0; c < C; ++c) acc += q[c] * load16(key + c * kLanes);
+    v16 acc = q[0] * load16(key);
+    for (int c = 1; c < C; ++c) acc += q[c] * load16(key + c * kLanes);
     acc += __builtin_shuffle(acc, v16i{8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15});
     acc += __builtin_shuffle(acc, v16i{4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7});
     acc += __builtin_shuffle(acc, v16i{2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3});
@@ -195,5 +196,102 @@ void fixed_values(const KV* values, const int64_t* cols, const float* weights, i
 }
 #endif
 
+
+// Softmax weights in place over scores[0, count): exp(score - max), and 1 / their sum. The
+// sum runs in 16 lanes (score k in lane k mod 16, in ascending order), then the pairwise tree
+// of ``dot``: one sequential sum was a chain of dependent additions, as long as the context.
+inline float softmax_weights(float* scores, int64_t count) {
+  if (count == 0) return 0.f;
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t k = 0; k < count; ++k) top = std::max(top, scores[k]);  // exact in any order
+  for (int64_t k = 0; k < count; ++k) scores[k] = fast_exp(scores[k] - top);
+  v16 acc = {0};
+  int64_t k = 0;
+  for (; k + kLanes <= count; k += kLanes) acc += load16(scores + k);
+  for (int64_t i = 0; k + i < count; ++i) acc[i] += scores[k + i];
+  acc += __builtin_shuffle(acc, v16i{8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15});
+  acc += __builtin_shuffle(acc, v16i{4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7});
+  acc += __builtin_shuffle(acc, v16i{2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3});
+  acc += __builtin_shuffle(acc, v16i{1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1});
+  return 1.f / acc[0];
+}
+
+#if defined(__AVX512F__) && !defined(LYANNA_GENERIC_ATTENTION)
+#define LYANNA_GROUPED_ATTENTION 1
+// Several queries at once over the keys and values they all see (a sequence's cached rows,
+// for the heads of one KV head and every new row of the step): each key and value is loaded
+// (and converted from float16) once for the block instead of once per query, and the scores of
+// sixteen keys are reduced together. Every query gets the operations of
+// ``fixed_scores_generic`` and ``fixed_values`` in their order, so the same bits.
+constexpr int kMaxBlock = 6;  // queries per block (at most 24 / C: registers)
+
+inline __m512 load_row(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_row(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// out[j] = scale * (the pairwise tree of partial[j]'s 16 lanes) for 16 keys j: the lanes i +
+// (i + 8), i + (i + 4), i + (i + 2), i + (i + 1) of every key at once by shuffles (float
+// addition commutes exactly), then the keys back in order.
+inline void reduce16(const float* partial, float scale, float* out) {
+  __m512 r[8], t[4], u[2];
+  for (int m = 0; m < 8; ++m) {  // keys 2m | 2m + 1: lanes i + (i + 8)
+    const __m512 a = _mm512_loadu_ps(partial + 32 * m), b = _mm512_loadu_ps(partial + 32 * m + 16);
+    r[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  for (int p = 0; p < 4; ++p)  // four keys, i + (i + 4)
+    t[p] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * p], r[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(r[2 * p], r[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int h = 0; h < 2; ++h)  // eight keys, i + (i + 2)
+    u[h] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * h], t[2 * h + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * h], t[2 * h + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, _mm512_mul_ps(sums, _mm512_set1_ps(scale))));
+}
+
+// scores[i][k] for keys 0 .. L-1 (contiguous rows of 16 * C dims) and NQ queries; writes up to
+// 15 entries past L (scratch: the caller's buffers have room). partial: NQ * 256 floats.
+template <int C, int NQ, class KV>
+void block_scores(const float* const* query, const KV* keys, int64_t L, float scale,
+                  float* const* scores, float* partial) {
+  __m512 q[NQ][C];
+  for (int i = 0; i < NQ; ++i)
+    for (int c = 0; c < C; ++c) q[i][c] = _mm512_loadu_ps(query[i] + c * kLanes);
+  for (int64_t k0 = 0; k0 < L; k0 += kLanes) {
+    const int64_t n = std::min<int64_t>(kLanes, L - k0);
+    for (int64_t j = 0; j < n; ++j) {
+      const KV* key = keys + (k0 + j) * C * kLanes;
+      __m512 kv[C];
+      for (int c = 0; c < C; ++c) kv[c] = load_row(key + c * kLanes);
+      for (int i = 0; i < NQ; ++i) {
+        __m512 acc = _mm512_mul_ps(q[i][0], kv[0]);
+        for (int c = 1; c < C; ++c) acc = _mm512_add_ps(acc, _mm512_mul_ps(q[i][c], kv[c]));
+        _mm512_storeu_ps(partial + (i * kLanes + j) * kLanes, acc);
+      }
+    }
+    for (int i = 0; i < NQ; ++i) reduce16(partial + i * kLanes * kLanes, scale, scores[i] + k0);
+  }
+}
+
+// acc[i] (C * 16 floats each) = sum over keys k < L, ascending, of weights[i][k] * value k.
+template <int C, int NQ, class KV>
+void block_values(const KV* values, int64_t L, const float* const* weights, float* const* acc) {
+  __m512 a[NQ][C];
+  for (int i = 0; i < NQ; ++i)
+    for (int c = 0; c < C; ++c) a[i][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < L; ++k) {
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = load_row(values + k * C * kLanes + c * kLanes);
+    for (int i = 0; i < NQ; ++i) {
+      const __m512 p = _mm512_set1_ps(weights[i][k]);
+      for (int c = 0; c < C; ++c) a[i][c] = _mm512_add_ps(a[i][c], _mm512_mul_ps(p, v[c]));
+    }
+  }
+  for (int i = 0; i < NQ; ++i)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc[i] + c * kLanes, a[i][c]);
+}
+#endif
 
 }  // namespace vec
