@@ -1,27 +1,66 @@
 """A/B of the native decoder in one process: the default build against builds with a define
-(``LYANNA_NO_PREFETCH``: the block products without their software prefetch), and the
+(``LYANNA_NO_PREFETCH``: the block products without their software prefetch) or against the
+sources of an earlier git revision (``rev:<commit>``), and the
 target's KV cache in float16 (the default) against float32. Every variant times the same
 model's forward + LM head over q new rows behind ``--context`` cached ones
 (``lyanna.model.calibrate.forward_seconds``), the variants taking turns for ``--rounds``
 rounds, so a machine whose speed drifts slows them alike.
 
     python -m bench.native_ab --context 300 1000 --threads 2 \\
-        --builds default LYANNA_NO_PREFETCH --kv float16 float32
+        --builds default LYANNA_NO_PREFETCH rev:003e699 --kv float16 float32
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+from pathlib import Path
+from types import ModuleType
 
 import torch
 
 from bench.common import print_table
 from lyanna.model import fetch_default_model, load_model
 from lyanna.model.calibrate import forward_seconds
-from lyanna.model.native import load_decoder, load_decoder_variant
+from lyanna.model.default import cache_root
+from lyanna.model.native import FLAGS, SOURCES, load_decoder, load_decoder_variant
 
 ROWS = (1, 2, 4, 8, 16)
 KV_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+
+
+def load_revision(rev: str) -> ModuleType:
+    """The native decoder as it was at git revision ``rev`` (its sources, today's flags)."""
+    from torch.utils.cpp_extension import load
+
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", rev], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    root = Path(__file__).resolve().parents[1]
+    build_dir = cache_root() / "native" / f"rev-{commit}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    for source in SOURCES:
+        path = source.relative_to(root).as_posix()
+        text = subprocess.run(
+            ["git", "show", f"{commit}:{path}"], capture_output=True, check=True, cwd=root
+        ).stdout
+        (build_dir / source.name).write_bytes(text)
+    return load(
+        name=f"lyanna_decoder_rev_{commit}",
+        sources=[str(build_dir / SOURCES[0].name)],
+        extra_cflags=list(FLAGS),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build_dir),
+        verbose=False,
+    )
+
+
+def load_build(build: str) -> ModuleType | None:
+    if build == "default":
+        return load_decoder()
+    if build.startswith("rev:"):
+        return load_revision(build.removeprefix("rev:"))
+    return load_decoder_variant(build)
 
 
 def main() -> None:
@@ -39,7 +78,7 @@ def main() -> None:
     model = load_model(fetch_default_model(), weights="q4")
     if model.native is None:
         raise SystemExit("the native decoder is unavailable (a C++ compiler is needed)")
-    builds = {b: load_decoder() if b == "default" else load_decoder_variant(b) for b in args.builds}
+    builds = {b: load_build(b) for b in args.builds}
     rows = []
     for context in args.context:
         for round_ in range(args.rounds):
