@@ -182,19 +182,32 @@ template <int R, class Rows, class BlockDots>
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * N + tile * kTile, acc[r]);
 }
 
+// With few rows, each row's products alternate between two accumulators (even and odd pairs,
+// added at the block's end: the same integers), so that more than R dependent chains of
+// vpdpwssd are in flight.
 template <int Bits, int R>
 inline void tile_rows(const uint8_t* codes, const c10::Half* scales, const QuantizedRows& xq,
                       int64_t r0, int64_t K, float* y, int64_t N, int64_t tile) {
+#ifdef LYANNA_ONE_CHAIN
+  constexpr int kSplit = 1;
+#else
+  constexpr int kSplit = R <= 4 ? 2 : 1;
+#endif
   tile_loop<R>(scales, xq, r0, K, y, N, tile, [&](int64_t g, __m512i (&dots)[R]) {
     prefetch_ahead<Bits>(codes, scales, g);
+    __m512i odd[R];
+    for (int r = 0; r < R; ++r) odd[r] = _mm512_setzero_si512();
     for_pairs<Bits>(codes + g * kBlockBytes<Bits>, [&](int p, __m512i pair) {
       const int64_t k = g * kBlock + 2 * p;
       for (int r = 0; r < R; ++r) {
         int32_t xs;
         std::memcpy(&xs, xq.codes.data() + (r0 + r) * K + k, sizeof xs);
-        dots[r] = _mm512_dpwssd_epi32(dots[r], pair, _mm512_set1_epi32(xs));
+        __m512i& into = kSplit == 2 && (p & 1) ? odd[r] : dots[r];
+        into = _mm512_dpwssd_epi32(into, pair, _mm512_set1_epi32(xs));
       }
     });
+    if constexpr (kSplit == 2)
+      for (int r = 0; r < R; ++r) dots[r] = _mm512_add_epi32(dots[r], odd[r]);
   });
 }
 
