@@ -254,3 +254,47 @@ def test_bf16_embedded_backend_equals_bf16_plain_decoding(tiny_chat_dir) -> None
             await backend.stop()
 
     asyncio.run(scenario())
+
+
+def test_settle_returns_once_the_loop_ran_the_woken_consumer() -> None:
+    """The worker hands a delta over and waits for the event loop: when ``_settle`` returns,
+    a consumer that awaited the queue has taken the delta and gone past two more awaits (as
+    a response formatting and sending a chunk does), so the next step's threads do not
+    share a core with it."""
+    import threading
+
+    loop = asyncio.new_event_loop()
+    handled: list[int] = []
+    ready = threading.Event()
+    items: asyncio.Queue = asyncio.Queue()
+
+    async def consumer() -> None:
+        ready.set()
+        while True:
+            item = await items.get()
+            await asyncio.sleep(0)  # e.g. the response generator's own awaits
+            await asyncio.sleep(0)
+            handled.append(item)
+
+    async def start() -> asyncio.Task:
+        return asyncio.create_task(consumer())
+
+    async def stop(task: asyncio.Task) -> None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    task = asyncio.run_coroutine_threadsafe(start(), loop).result(5)
+    assert ready.wait(5)
+    try:
+        for i in range(20):
+            loop.call_soon_threadsafe(items.put_nowait, i)
+            EmbeddedBackend._settle(loop)
+            assert handled == list(range(i + 1))
+    finally:
+        asyncio.run_coroutine_threadsafe(stop(task), loop).result(5)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+    EmbeddedBackend._settle(loop)  # a closed loop: returns at once
