@@ -3,6 +3,7 @@ several concurrencies, through real HTTP (``loadtests.load``; official ``openai`
 
     python -m bench.serving [--deployments embedded services services-sync]
                             [--concurrency 1 4 16] [--requests 16] [--max-tokens 64]
+                            [--serve-flags '--threads 2']
 
 Deployments (each a fresh ``lyanna serve`` process tree, stopped after its runs):
 ``embedded`` (one process), ``services`` (verifier + drafter gRPC services + gateway, the
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shlex
 import signal
 import subprocess
 import sys
@@ -92,8 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--method", default="lyanna")
     parser.add_argument("--model", help="HF directory or .gguf (default: SmolLM2-135M)")
+    parser.add_argument(
+        "--serve-flags", default="", help="more `lyanna serve` flags, e.g. '--threads 2'"
+    )
     args = parser.parse_args(argv)
     extra = ["--method", args.method, "--max-running", str(max(args.concurrency))]
+    extra += shlex.split(args.serve_flags)
     if args.model:
         extra += ["--model", args.model]
     prompts = load_prompts()
