@@ -202,13 +202,14 @@ def _add_serve(sub) -> None:
     serve.add_argument(
         "--drafter-addr",
         default=os.environ.get("LYANNA_DRAFTER_ADDR"),
-        help="services mode: the running drafter (host:port) next to --verifier-addr",
+        help="services mode: the running drafter (host:port) next to --verifier-addr; it "
+        "verifies through that verifier itself (its own --verifier / LYANNA_DRAFTER_VERIFIER)",
     )
     serve.add_argument(
         "--pipeline",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="services mode: asynchronous two-lane pipeline (--no-pipeline: draft, then verify)",
+        help="services mode: asynchronous two-lane pipeline (--no-pipeline: one lane)",
     )
     _add_env_int(
         serve,

@@ -3,9 +3,11 @@ SIGTERM, printing the URL and an example ``curl`` once the backend is ready.
 
 - ``embedded``: drafter and verifier in the gateway process (``EmbeddedBackend``).
 - ``services``: the verifier and drafter gRPC services as local subprocesses
-  (``services.launch``) and the gateway in this process with ``RemoteBackend`` (asynchronous
-  pipeline); with ``--verifier-addr`` (and ``--drafter-addr``) it connects to services that
-  already run (a cluster) and starts nothing. When a local drafter cannot start with the
+  (``services.launch``, which tells the drafter where the verifier is: each step is one
+  gateway -> drafter call, the drafter verifying through the verifier) and the gateway in
+  this process with ``RemoteBackend`` (asynchronous pipeline); with ``--verifier-addr`` (and
+  ``--drafter-addr``) it connects to services that already run (a cluster, the drafter
+  started with ``--verifier``) and starts nothing. When a local drafter cannot start with the
   requested method (a missing checkpoint), the next of ``FALLBACK_METHODS`` is tried (logged).
 """
 

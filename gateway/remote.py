@@ -5,25 +5,31 @@ Scheduling (all on the event loop, async gRPC clients, a deadline on every call)
 - *Admission* (``gateway.remote_admission``): waiting requests are prefilled in batches
   bounded by ``max_running`` and by the free KV slots the verifier reports; the first token
   streams right away.
-- *Lanes*: running sequences live in micro-batches ("lanes"). Each lane loops: drafter
-  ``Propose`` (which also hands over the lane's last verification) -> verifier ``Verify`` of
-  every tree in one forward -> stream tokens, release finished sequences. With
-  ``pipeline=True`` two lanes run concurrently, so while the verifier verifies one
-  micro-batch the drafter drafts the other (the asynchronous pipeline); ``pipeline=False``
-  runs one lane, draft then verify, for comparison.
+- *Lanes*: running sequences live in micro-batches ("lanes"). Each lane loops: one drafter
+  ``Step`` (the drafter drafts every tree, verifies them in one ``Verify`` to the verifier
+  itself, learns the outcome and relays the verifier's results) -> stream tokens, release
+  finished sequences. One round trip per step on the critical path; the gateway stays the
+  source of truth of every sequence's tokens (it learns each step from the verifier's
+  results). With ``pipeline=True`` two lanes run concurrently, so while the verifier
+  verifies one micro-batch the drafter drafts the other (the asynchronous pipeline);
+  ``pipeline=False`` runs one lane, for comparison.
 - *Verification fusion*: the Lyanna drafter merges the subtree re-sampled after the last
   verification into its fresh tree under the budget, in the drafter process, which owns the
   chain logits (the engine runs the same code). The fused tree is a deterministic candidate
   set, so the acceptance rule stays lossless.
 - *Plain steps together*: when no sequence of a micro-batch drafts this step and the next
-  ones are known to be plain (target-only methods, and a gated drafter's quiet steps), one
-  ``Verify`` runs up to ``max_steps_per_call`` decode steps (``VerifyItem.steps``): one round
-  trip for several tokens, each still streamed and counted as its own step.
+  ones are known to be plain (target-only methods, and a gated drafter's quiet steps), the
+  lane calls the verifier directly, and one ``Verify`` runs up to ``max_steps_per_call``
+  decode steps (``VerifyItem.steps``): one round trip for several tokens, each still
+  streamed and counted as its own step.
 - *Fallback*: when the drafter fails or misses ``draft_deadline``, the lane verifies
-  root-only trees (plain target decoding, still exact) and retries the drafter after
-  ``drafter_retry_seconds``. A sequence whose drafter state is in doubt is started again from
-  its full committed history (tokens + hidden states kept here), so speculation recovers
-  when the drafter returns, even as a new process.
+  root-only trees directly (plain target decoding, still exact) and retries the drafter after
+  ``drafter_retry_seconds``. A drafter may fail after the verifier committed its step: the
+  direct retry names the same committed length, and the verifier answers it with the result
+  it committed (``Verify`` is idempotent per step), so no token is lost or doubled. A
+  sequence whose drafter state is in doubt is started again from its full committed history
+  (tokens + hidden states kept here), so speculation recovers when the drafter returns, even
+  as a new process.
 - *Cancellation*: closing a request's iterator marks it; its lane releases it in both
   services between steps (never while a batched call that includes it is in flight).
 """
@@ -51,7 +57,7 @@ from gateway.backend import (
 from gateway.remote_admission import RESUMABLE, Admission, verifier_failure
 from gateway.remote_config import RemoteConfig
 from gateway.remote_drafter import DrafterLink
-from gateway.remote_seq import RemoteSeq, root_only_tree
+from gateway.remote_seq import RemoteSeq, root_only_tree, split_steps
 from lyanna.sequence import Sequence
 from services import codec
 from services.pb import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
@@ -125,6 +131,9 @@ class RemoteBackend(Admission):
         if self.drafter is not None and await self.drafter.describe():
             self.default_method = self.drafter.method
             self.methods = tuple(dict.fromkeys((self.drafter.method, TARGET_ONLY)))
+            if not self.drafter.linked:
+                logger.error("the drafter has no verifier to verify through: target-only")
+                self.drafter, self.default_method, self.methods = None, TARGET_ONLY, (TARGET_ONLY,)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._admit_loop(), name="remote-admit")]
         self._tasks += [loop.create_task(self._lane_loop(lane)) for lane in self._lanes]
@@ -220,10 +229,7 @@ class RemoteBackend(Admission):
             self._rebalance(lane)
             batch = list(lane.seqs)
             try:
-                start = time.perf_counter()
-                proposals = await self.drafter.propose(batch) if self.drafter else {}
-                draft_seconds = time.perf_counter() - start
-                finished = await self._verify(batch, proposals, draft_seconds)
+                finished = await self._step(batch)
             except Exception:  # a bug must not strand the lane's requests
                 logger.exception("lane step failed")
                 failure = BackendUnavailable("internal error (logged)")
@@ -245,28 +251,57 @@ class RemoteBackend(Admission):
             other.seqs.append(lane.seqs.pop())
             other.wake.set()
 
-    async def _verify(
-        self,
-        batch: list[RemoteSeq],
-        proposals: dict[int, drafter_pb2.Proposal],
-        draft_seconds: float,
+    async def _step(self, batch: list[RemoteSeq]) -> list[RemoteSeq]:
+        """One step of a lane, through the drafter when it drafts any sequence of the batch,
+        else (or when that failed) directly against the verifier; returns the sequences that
+        finished."""
+        if self.drafter is not None:
+            ready = await self.drafter.prepare(batch)
+            if ready:
+                start = time.perf_counter()
+                response = await self.drafter.step(batch, ready)
+                if response is not None:
+                    return self._deliver(batch, response, time.perf_counter() - start)
+        return await self._verify(batch)
+
+    def _deliver(
+        self, batch: list[RemoteSeq], response: drafter_pb2.StepResponse, seconds: float
     ) -> list[RemoteSeq]:
-        """Verify the batch, stream its tokens; returns the sequences that finished."""
-        use_plane = self.drafter is not None and self.drafter.plane_ok
-        steps = 1 if use_plane else self._plain_steps(batch, proposals)
+        """Stream a drafter Step's results (the verifier's, relayed)."""
+        verify_seconds = max(0.0, seconds - response.draft_seconds)
+        for seq, result in zip(batch, response.results, strict=True):
+            part = result.verified
+            self.num_verified_steps += 1
+            self._learn(seq, part)
+            facts = StepFacts(
+                method=seq.method,
+                num_drafted=part.num_drafted,
+                num_accepted=part.num_accepted,
+                num_resampled_accepted=result.num_resampled_accepted,
+                draft_seconds=response.draft_seconds,
+                verify_seconds=verify_seconds,
+            )
+            emitted = seq.sequence.append(list(part.tokens))
+            seq.deliver(TokenDelta(emitted, seq.sequence.finish_reason, facts))
+        return [s for s in batch if s.sequence.finished or s.done]
+
+    async def _verify(self, batch: list[RemoteSeq]) -> list[RemoteSeq]:
+        """Verify the batch's root-only trees directly (target-only, quiet and fallback
+        steps), stream its tokens; returns the sequences that finished. A step the verifier
+        already committed (its relaying drafter failed) comes back as it was committed."""
+        steps = self._plain_steps(batch)
         items = []
         for seq in batch:
-            proposal = proposals.get(seq.seq_id)
-            tree = proposal.tree if proposal is not None else root_only_tree(seq.next_token)
-            wants_hidden = self.drafter is not None and self.drafter.wants_hidden(
-                seq, proposal is not None
-            )
+            wants_hidden = self.drafter is not None and self.drafter.wants_hidden(seq, False)
             items.append(
                 verifier_pb2.VerifyItem(
-                    ref=seq.ref(), tree=tree, return_hidden=wants_hidden, steps=steps
+                    ref=seq.ref(),
+                    tree=root_only_tree(seq.next_token),
+                    return_hidden=wants_hidden,
+                    steps=steps,
                 )
             )
-        request = verifier_pb2.VerifyRequest(items=items, use_data_plane=use_plane)
+        request = verifier_pb2.VerifyRequest(items=items)
         start = time.perf_counter()
         try:
             response = await self._verifier.Verify(request, timeout=self.config.verify_deadline)
@@ -283,57 +318,56 @@ class RemoteBackend(Admission):
         verify_seconds = (time.perf_counter() - start) / steps
         self.num_verify_calls += 1
         for seq, result in zip(batch, response.results, strict=True):
-            fallback = seq.use_drafter and seq.seq_id not in proposals and not seq.quiet_step
-            for step, part in enumerate(_split_steps(result)):
+            fallback = seq.use_drafter and not seq.quiet_step
+            for step, part in enumerate(split_steps(result)):
                 if step:  # the drafter said so: a quiet step (see _plain_steps)
                     seq.quiet_step, seq.quiet_left = True, max(0, seq.quiet_left - 1)
                 self.num_verified_steps += 1
                 self.num_fallback_steps += fallback and not step
-                self._learn(seq, part)
+                self._learn(seq, part, direct=True)
                 facts = StepFacts(
                     method=seq.method,
                     num_drafted=part.num_drafted,
                     num_accepted=part.num_accepted,
-                    num_resampled_accepted=seq.resampled_accepted,
-                    draft_seconds=0.0 if step else draft_seconds,
                     verify_seconds=verify_seconds,
                     drafter_fallback=fallback and not step,
                 )
-                seq.resampled_accepted = 0
                 emitted = seq.sequence.append(list(part.tokens))
                 seq.deliver(TokenDelta(emitted, seq.sequence.finish_reason, facts))
                 if seq.sequence.finished or seq.done:
                     break  # tokens decoded past the end are dropped with the sequence
         return [s for s in batch if s.sequence.finished or s.done]
 
-    def _plain_steps(
-        self, batch: list[RemoteSeq], proposals: dict[int, drafter_pb2.Proposal]
-    ) -> int:
-        """Decode steps one Verify may run for the batch: 1 unless no sequence drafts now or
-        in the next steps (the fewest any sequence allows, at most ``max_steps_per_call``).
-        A sequence allows its remaining tokens when it never drafts (target-only method,
-        refused by the drafter), and 1 + its quiet steps when its drafter said it would not
-        draft them; a drafted tree or a fallback step allows 1."""
+    def _plain_steps(self, batch: list[RemoteSeq]) -> int:
+        """Decode steps one direct Verify may run for the batch: 1 unless no sequence drafts
+        now or in the next steps (the fewest any sequence allows, at most
+        ``max_steps_per_call``). A sequence allows its remaining tokens when it never drafts
+        (target-only method, refused by the drafter), and 1 + its quiet steps when its drafter
+        said it would not draft them; a fallback step allows 1."""
         allowed = self.config.max_steps_per_call
         for seq in batch:
-            proposal = proposals.get(seq.seq_id)
             if self.drafter is not None and seq.use_drafter:
-                if proposal is not None and len(proposal.tree.tokens) > 1:
-                    return 1
-                if proposal is None and not seq.quiet_step:
-                    return 1  # a fallback step: the drafter must see it next time
+                if not seq.quiet_step:
+                    return 1  # a fallback step: the drafter may be back next time
                 allowed = min(allowed, 1 + seq.quiet_left)
             left = seq.sequence.params.max_tokens - len(seq.sequence.output_ids)
             allowed = min(allowed, left)
         return max(1, allowed)
 
-    def _learn(self, seq: RemoteSeq, result: verifier_pb2.VerifyResult) -> None:
-        """Record a verification: history, next token, hidden rows, the drafter's next step."""
+    def _learn(
+        self, seq: RemoteSeq, result: verifier_pb2.VerifyResult, direct: bool = False
+    ) -> None:
+        """Record a verification: history, next token, hidden rows, and (``direct``: one the
+        drafter did not relay) what the drafter must hear of it."""
         seq.history.extend(result.committed)
         seq.next_token = result.tokens[-1]
-        if seq.keep_hidden and result.hidden.WhichOneof("payload") == "tensor":
-            seq.keep_rows(codec.decode_tensor(result.hidden.tensor), self.config.max_hidden_bytes)
-        if self.drafter is not None:
+        if seq.keep_hidden:
+            if result.hidden.WhichOneof("payload") == "tensor":
+                rows = codec.decode_tensor(result.hidden.tensor)
+                seq.keep_rows(rows, self.config.max_hidden_bytes)
+            elif self.drafter is not None and self.drafter.needs_hidden:  # (a history with a
+                seq.keep_hidden, seq.hidden_history, seq.hidden_bytes = False, [], 0  # gap)
+        if direct and self.drafter is not None:
             self.drafter.learn(seq, result)
 
     async def _release(self, seqs: list[RemoteSeq]) -> None:
@@ -347,34 +381,9 @@ class RemoteBackend(Admission):
             )
         ]
         if self.drafter is not None:
-            gone = {id(s) for s in seqs}
-            staying = [s for lane in self._lanes for s in lane.seqs if id(s) not in gone]
-            request = self.drafter.release_request(seqs, staying)
+            request = self.drafter.release_request(seqs)
             if request is not None:
                 calls.append(self.drafter.stub.Release(request, timeout=deadline))
         for outcome in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(outcome, grpc.aio.AioRpcError):
                 logger.warning("release failed: %s", outcome.details())
-
-
-def _split_steps(result: verifier_pb2.VerifyResult) -> list[verifier_pb2.VerifyResult]:
-    """A result of several plain decode steps as one result per step, oldest first."""
-    if result.num_steps <= 1:
-        return [result]
-    rows = None
-    if result.hidden.WhichOneof("payload") == "tensor":
-        rows = codec.decode_tensor(result.hidden.tensor)
-    parts = []
-    for step in range(result.num_steps):
-        part = verifier_pb2.VerifyResult(
-            ref=common_pb2.SeqRef(
-                seq_id=result.ref.seq_id,
-                num_committed=result.ref.num_committed - result.num_steps + step + 1,
-            ),
-            committed=[result.committed[step]],
-            tokens=[result.tokens[step]],
-        )
-        if rows is not None:
-            part.hidden.tensor.CopyFrom(codec.encode_tensor(rows[step : step + 1]))
-        parts.append(part)
-    return parts

@@ -1,17 +1,21 @@
-"""The remote backend's link to the drafter service: proposing trees for a micro-batch,
-(re)starting sequences from their committed history, the circuit breaker behind the
-target-only fallback, and the verified steps the drafter has yet to see.
+"""The remote backend's link to the drafter service: one ``Step`` per speculative step of a
+micro-batch (the drafter drafts, verifies through the verifier itself and returns the
+verifier's results), (re)starting sequences from their committed history, the circuit breaker
+behind the target-only fallback, and the quiet steps the drafter has yet to see.
 
-A drafter call that fails for an unreachable or late drafter opens the breaker for
-``retry_seconds`` (those steps verify root-only trees); NOT_FOUND / FAILED_PRECONDITION mean
-the drafter lost or disagrees about a sequence, which is then started again from its full
-history; INVALID_ARGUMENT / RESOURCE_EXHAUSTED (cannot parse or hold it) leave that sequence
-target-only for good. Target-only steps are exact, so none of this changes the output.
+A Step that fails for an unreachable or late drafter opens the breaker for ``retry_seconds``
+(those steps verify root-only trees directly against the verifier); NOT_FOUND /
+FAILED_PRECONDITION mean the drafter lost or disagrees about a sequence, and ABORTED that its
+verifier call failed: the step then runs directly (the verifier answers a step it already
+committed again, so nothing is lost or doubled) and the drafted sequences are started again
+from their full history; INVALID_ARGUMENT / RESOURCE_EXHAUSTED (cannot parse or hold it)
+leave those sequences target-only for good. Target-only steps are exact, so none of this
+changes the output.
 
 A gated drafter says how many of a sequence's next steps it will not draft
-(``Proposal.quiet_steps``); those steps verify root-only trees without a drafter call (one
-round trip per step instead of two), and their verifications ride along with the next
-Propose, oldest first (``ProposeItem.quiet``).
+(``StepResult.quiet_steps``). When every drafted sequence of a micro-batch is quiet, the step
+verifies root-only trees directly, several steps per call when the batch allows, and the
+verifications ride along with the sequence's next Step, oldest first (``StepItem.unseen``).
 """
 
 from __future__ import annotations
@@ -27,9 +31,13 @@ from services.pb import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2
 
 logger = logging.getLogger(__name__)
 
-STATE_ERRORS = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
+STATE_ERRORS = (
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.ABORTED,
+)
 REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
-MAX_QUIET_STEPS = 64  # the most quiet steps trusted from one proposal (the drafter's bound)
+MAX_QUIET_STEPS = 64  # the most quiet steps trusted from one result (the drafter's bound)
 
 
 class DrafterLink:
@@ -37,13 +45,15 @@ class DrafterLink:
         self.stub = stub
         self.method = config.method
         self.draft_deadline, self.control_deadline = config.draft_deadline, config.control_deadline
+        self.step_deadline = config.draft_deadline + config.verify_deadline
         self.retry_seconds = config.drafter_retry_seconds
         self.plane_ok = config.use_data_plane  # off for good once the drafter has failed
         self.needs_hidden = True  # until the drafter says otherwise
-        self.budget = 0  # max draft tokens (the budget of verifier-side fusion)
-        self.num_plane_transfers = 0  # verified steps whose hidden rows used the data plane
+        self.linked = True  # the drafter has a verifier to verify through (its Info says)
+        self.budget = 0  # max draft tokens
+        self.num_plane_transfers = 0  # Steps whose hidden rows used the data plane
         self.num_starts = 0  # sequences started on the drafter (first starts + resyncs)
-        self.num_propose_calls = 0
+        self.num_step_calls = 0
         self._down_until = 0.0
         self._error = ""
 
@@ -55,7 +65,8 @@ class DrafterLink:
         return "ok" if self.available else f"fallback: {self._error}"
 
     async def describe(self) -> bool:
-        """Learn the drafter's method, budget and whether it reads hidden states."""
+        """Learn the drafter's method, budget, whether it reads hidden states and whether it
+        can verify."""
         try:
             info = await self.stub.Info(drafter_pb2.InfoRequest(), timeout=self.control_deadline)
         except grpc.aio.AioRpcError as error:
@@ -66,111 +77,87 @@ class DrafterLink:
             info.needs_hidden,
             info.max_draft_tokens,
         )
+        self.linked = info.verifier_linked
         return True
 
-    async def propose(self, batch: list[RemoteSeq]) -> dict[int, drafter_pb2.Proposal]:
-        """One tree per drafted sequence of the batch; {} when the step must run target-only."""
+    async def prepare(self, batch: list[RemoteSeq]) -> list[RemoteSeq]:
+        """The sequences the drafter drafts this step, started first where needed; [] when the
+        step runs directly against the verifier (nothing to draft, the breaker open, or every
+        drafted sequence on a quiet step)."""
         for seq in batch:
             seq.quiet_step = False
-        await self._drain(batch)
         drafted = [s for s in batch if s.use_drafter]
         if not drafted or not self.available:
-            return {}
+            return []
         stale = [s for s in drafted if not s.drafter_synced]
         if stale and not await self._start(stale):
-            return {}
+            return []
         ready = [s for s in drafted if s.drafter_synced and s.use_drafter]
-        for seq in ready:  # a quiet step verifies root-only without asking the drafter (its
-            # hidden rows would go over a data plane only a Propose drains: not with one)
-            seq.quiet_step = seq.quiet_left > 0 and not self.plane_ok
-            seq.quiet_left -= seq.quiet_step
-        ready = [s for s in ready if not s.quiet_step]
-        if not ready:
-            return {}
-        request = drafter_pb2.ProposeRequest(items=[s.propose_item() for s in ready])
-        self.num_propose_calls += 1
+        if all(s.quiet_left > 0 for s in ready):  # a quiet step for all: no drafter call
+            for seq in ready:
+                seq.quiet_step, seq.quiet_left = True, seq.quiet_left - 1
+            return []
+        return ready  # (quiet ones too: the drafter learns their root-only steps at once)
+
+    async def step(
+        self, batch: list[RemoteSeq], ready: list[RemoteSeq]
+    ) -> drafter_pb2.StepResponse | None:
+        """One Step for the whole batch (``ready`` drafted, the others verified root-only in
+        the same forward); None when it failed, with the drafted sequences desynced: the
+        caller then runs the step directly."""
+        drafted = {id(s) for s in ready}
+        items = [
+            s.step_item(id(s) in drafted, id(s) in drafted and self.wants_hidden(s, False))
+            for s in batch
+        ]
+        request = drafter_pb2.StepRequest(
+            items=items, use_data_plane=self.plane_ok, draft_deadline=self.draft_deadline
+        )
+        self.num_step_calls += 1
         try:
-            response = await self.stub.Propose(request, timeout=self.draft_deadline)
+            response = await self.stub.Step(request, timeout=self.step_deadline)
         except grpc.aio.AioRpcError as error:
             self._failed(error, ready)
-            return {}
-        if len(response.proposals) != len(ready):
-            logger.warning("drafter answered %d of %d", len(response.proposals), len(ready))
+            return None
+        if not _consistent(batch, response):
+            logger.warning("the drafter's results do not match the batch; a direct step")
             for seq in ready:
                 seq.desync()
-            return {}
-        proposals = {}
-        for seq, proposal in zip(ready, response.proposals, strict=True):
-            seq.pending_step, seq.unseen_steps = None, []
-            seq.quiet_left = min(proposal.quiet_steps, MAX_QUIET_STEPS)
-            seq.drafter_committed = proposal.ref.num_committed
-            seq.resampled_accepted += proposal.num_resampled_accepted
-            tree = proposal.tree
-            if (
-                proposal.ref.seq_id != seq.seq_id
-                or not tree.tokens
-                or tree.tokens[0] != (seq.next_token)
-            ):
-                logger.warning("drafter proposed a tree for the wrong root; target-only step")
-                seq.desync()
-                continue
-            proposals[seq.seq_id] = proposal
-        return proposals
+            return None
+        self.num_plane_transfers += response.used_data_plane
+        for seq, result in zip(batch, response.results, strict=True):
+            if id(seq) in drafted:
+                seq.unseen_steps = []
+                seq.quiet_left = min(result.quiet_steps, MAX_QUIET_STEPS)
+        return response
 
-    def wants_hidden(self, seq: RemoteSeq, proposed: bool) -> bool:
-        """Ask the verifier for the accepted path's hidden states of this sequence?"""
-        wanted = seq.keep_hidden or proposed or seq.quiet_step
+    def wants_hidden(self, seq: RemoteSeq, for_start: bool) -> bool:
+        """Ask for the hidden states of this sequence's committed tokens? For its Start (the
+        prompt's), to keep its history for a resync, and on a quiet step (the drafter gets
+        them with the next Step)."""
+        wanted = for_start or seq.keep_hidden or seq.quiet_step
         return seq.use_drafter and self.needs_hidden and wanted
 
     def learn(self, seq: RemoteSeq, result: verifier_pb2.VerifyResult) -> None:
-        """Queue a verification for the drafter's next Propose of this sequence."""
-        if seq.quiet_step and seq.drafter_synced and seq.pending_step is not None:
-            seq.unseen_steps.append(seq.pending_step)  # the step before: root-only too
-            seq.pending_step = None
-        if not (seq.use_drafter and seq.drafter_synced) or seq.pending_step is not None:
-            if seq.pending_step is not None:  # it missed a step (fallback): start it again
-                seq.desync()
-            if result.hidden.HasField("plane"):  # rows nobody will ask for: drain them
-                seq.dropped_refs.append(_copy(result.hidden.plane))
+        """A step verified directly against the verifier: a quiet one is queued for the
+        drafter's next Step; any other is a step the drafter missed (start it again)."""
+        if not (seq.use_drafter and seq.drafter_synced):
             return
-        seq.pending_step = drafter_pb2.VerifiedStep(
+        if not seq.quiet_step:
+            seq.desync()
+            return
+        step = drafter_pb2.VerifiedStep(
             committed=result.committed,
             next_token=result.tokens[-1],
             num_accepted=result.num_accepted,
         )
         if result.HasField("hidden"):
-            seq.pending_step.hidden.CopyFrom(result.hidden)
-            self.num_plane_transfers += result.hidden.WhichOneof("payload") == "plane"
+            step.hidden.CopyFrom(result.hidden)
+        seq.unseen_steps.append(step)
 
-    def release_request(
-        self, leaving: list[RemoteSeq], staying: list[RemoteSeq]
-    ) -> common_pb2.ReleaseRequest | None:
-        """Release the leaving sequences and drain data-plane transfers only they would have
-        consumed (so the verifier's sends complete)."""
-        orphans = _orphans(
-            [ref for s in leaving for ref in (*_take_dropped(s), _plane_ref(s)) if ref], staying
-        )
+    def release_request(self, leaving: list[RemoteSeq]) -> common_pb2.ReleaseRequest | None:
         seq_ids = [s.seq_id for s in leaving if s.drafter_started]
-        if not seq_ids and not orphans:
-            return None
-        return common_pb2.ReleaseRequest(seq_ids=seq_ids, discard=list(orphans.values()))
-
-    async def _drain(self, batch: list[RemoteSeq]) -> None:
-        """Have the drafter receive (and drop) the data-plane transfers that desynced
-        sequences of the batch left unread and no sequence still in step will read, so the
-        verifier's sends complete (best effort; the drafter skips transfers it already
-        received, and one without a data plane has nothing to drain)."""
-        if not self.available or not any(s.dropped_refs for s in batch):
-            return  # (kept until the drafter is back)
-        dropped = [ref for s in batch for ref in _take_dropped(s)]
-        orphans = _orphans(dropped, batch)
-        if not orphans:
-            return
-        request = common_pb2.ReleaseRequest(discard=list(orphans.values()))
-        try:
-            await self.stub.Release(request, timeout=self.control_deadline)
-        except grpc.aio.AioRpcError as error:
-            logger.warning("draining %d data-plane transfers failed: %s", len(orphans), error)
+        return common_pb2.ReleaseRequest(seq_ids=seq_ids) if seq_ids else None
 
     async def _start(self, seqs: list[RemoteSeq]) -> bool:
         """(Re)start the drafter for ``seqs`` from their full history; False if it failed."""
@@ -195,8 +182,7 @@ class DrafterLink:
             return False
         self.num_starts += len(seqs)
         for seq in seqs:
-            seq.drafter_synced, seq.pending_step = True, None
-            seq.drafter_committed = seq.num_committed
+            seq.drafter_synced = True
             if not seq.keep_hidden:
                 seq.hidden_history, seq.hidden_bytes = [], 0
         return True
@@ -220,27 +206,14 @@ class DrafterLink:
         )
 
 
-def _plane_ref(seq: RemoteSeq) -> common_pb2.PlaneRef | None:
-    step = seq.pending_step
-    if step is None or step.hidden.WhichOneof("payload") != "plane":
-        return None
-    return step.hidden.plane
-
-
-def _take_dropped(seq: RemoteSeq) -> list[common_pb2.PlaneRef]:
-    dropped, seq.dropped_refs = seq.dropped_refs, []
-    return dropped
-
-
-def _orphans(
-    refs: list[common_pb2.PlaneRef], readers: list[RemoteSeq]
-) -> dict[int, common_pb2.PlaneRef]:
-    """The transfers of ``refs`` that no pending step of ``readers`` will read."""
-    live = {ref.transfer_id for s in readers if (ref := _plane_ref(s)) is not None}
-    return {ref.transfer_id: ref for ref in refs if ref.transfer_id not in live}
-
-
-def _copy(ref: common_pb2.PlaneRef) -> common_pb2.PlaneRef:
-    out = common_pb2.PlaneRef()
-    out.CopyFrom(ref)
-    return out
+def _consistent(batch: list[RemoteSeq], response: drafter_pb2.StepResponse) -> bool:
+    """Each result names its sequence, in order, and commits what its length says."""
+    if len(response.results) != len(batch):
+        return False
+    for seq, result in zip(batch, response.results, strict=True):
+        verified = result.verified
+        if verified.ref.seq_id != seq.seq_id or not verified.tokens:
+            return False
+        if verified.ref.num_committed != seq.num_committed + len(verified.committed):
+            return False
+    return True

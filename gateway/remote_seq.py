@@ -1,10 +1,11 @@
 """Per-request state of the remote backend and the message builders it needs.
 
 A ``RemoteSeq`` mirrors what each service holds for one request: the committed tokens (the
-gateway's history is the source of truth), the next token, the step the drafter has not yet
-seen, whether the drafter's state is in step (``drafter_synced``) and, when the drafter reads
-hidden states, every committed token's target hidden state so a drafter that lost the
-sequence (restart, missed step, deadline) can be started again from the full history.
+gateway's history is the source of truth), the next token, whether the drafter's state is in
+step (``drafter_synced``), the quiet steps the gateway verified without the drafter and has yet
+to hand it and, when the drafter reads hidden states, every committed token's target hidden
+state so a drafter that lost the sequence (restart, failed step, deadline) can be started
+again from the full history.
 """
 
 from __future__ import annotations
@@ -34,22 +35,16 @@ class RemoteSeq:
     keep_hidden: bool = False  # collect hidden_history (drafter needs hidden, inline mode)
     drafter_started: bool = False  # the drafter may hold state for it
     drafter_synced: bool = False  # the drafter's state matches history + next_token
-    drafter_committed: int = 0  # committed length the drafter holds
-    pending_step: drafter_pb2.VerifiedStep | None = None  # last verification, unseen by it
-    # quiet steps (the drafter said it would not draft them): verified root-only without a
-    # Propose; their verifications wait in ``unseen_steps`` for the next Propose
+    # quiet steps (the drafter said it would not draft them): verified root-only directly
+    # against the verifier; their verifications wait in ``unseen_steps`` for the next Step
     quiet_left: int = 0
     quiet_step: bool = False  # the step in flight is a quiet one
     unseen_steps: list[drafter_pb2.VerifiedStep] = field(default_factory=list)
-    resampled_accepted: int = 0  # reported by the drafter, owed to the next delta
     cancelled: bool = False
     done: bool = False
     resume_by: float | None = None  # set while waiting to be re-prefilled (monotonic deadline)
     may_hold_slot: bool = False  # waiting, yet the verifier may still hold its KV slot
     hidden_bytes: int = 0  # size of hidden_history (kept, not summed on every step)
-    # data-plane transfers a desync dropped unread: the drafter must still receive them, or
-    # the verifier's sends never complete (DrafterLink drains them)
-    dropped_refs: list[common_pb2.PlaneRef] = field(default_factory=list)
 
     @property
     def seq_id(self) -> int:
@@ -72,11 +67,6 @@ class RemoteSeq:
         """The drafter's state for this sequence is unknown: start it again before drafting."""
         self.drafter_synced = False
         self.quiet_left, self.quiet_step, self.unseen_steps = 0, False, []
-        if self.pending_step is not None and self.pending_step.hidden.HasField("plane"):
-            ref = common_pb2.PlaneRef()
-            ref.CopyFrom(self.pending_step.hidden.plane)
-            self.dropped_refs.append(ref)
-        self.pending_step = None
 
     def prefill_item(self, return_hidden: bool) -> verifier_pb2.PrefillItem:
         """Prefill the prompt, or when resuming (after the verifier lost the sequence) every
@@ -130,17 +120,44 @@ class RemoteSeq:
             item.prompt_hidden.tensor.CopyFrom(codec.encode_tensor(rows))
         return item
 
-    def propose_item(self) -> drafter_pb2.ProposeItem:
-        item = drafter_pb2.ProposeItem(
-            ref=self.ref(self.drafter_committed),
-            want_draft_probs=not self.sequence.params.greedy,
+    def step_item(self, drafted: bool, return_hidden: bool) -> drafter_pb2.StepItem:
+        """This sequence in a drafter Step: drafted (with the quiet steps the drafter has not
+        seen), or verified root-only in the same forward (``drafted`` False)."""
+        item = drafter_pb2.StepItem(
+            ref=self.ref(),
+            next_token=self.next_token,
+            draft=drafted,
+            want_draft_probs=drafted and not self.sequence.params.greedy,
+            return_hidden=return_hidden,
         )
-        if self.pending_step is not None:
-            item.quiet.extend(self.unseen_steps)
-            item.verified.CopyFrom(self.pending_step)
+        if drafted:
+            item.unseen.extend(self.unseen_steps)
         return item
 
 
 def root_only_tree(token: int) -> common_pb2.TokenTree:
     """No draft: verifying it is one step of plain decoding (the drafter fallback)."""
     return common_pb2.TokenTree(tokens=[token], parents=[-1], scheme=ROOT_ONLY_SCHEME)
+
+
+def split_steps(result: verifier_pb2.VerifyResult) -> list[verifier_pb2.VerifyResult]:
+    """A result of several plain decode steps as one result per step, oldest first."""
+    if result.num_steps <= 1:
+        return [result]
+    rows = None
+    if result.hidden.WhichOneof("payload") == "tensor":
+        rows = codec.decode_tensor(result.hidden.tensor)
+    parts = []
+    for step in range(result.num_steps):
+        part = verifier_pb2.VerifyResult(
+            ref=common_pb2.SeqRef(
+                seq_id=result.ref.seq_id,
+                num_committed=result.ref.num_committed - result.num_steps + step + 1,
+            ),
+            committed=[result.committed[step]],
+            tokens=[result.tokens[step]],
+        )
+        if rows is not None:
+            part.hidden.tensor.CopyFrom(codec.encode_tensor(rows[step : step + 1]))
+        parts.append(part)
+    return parts

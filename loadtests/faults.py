@@ -10,7 +10,7 @@ rep), ``verifier-restart`` (SIGKILL the verifier and start it again on its port)
 ``verifier-pause`` (SIGSTOP the verifier for 4 s with 2 s call deadlines: a stalled node whose
 calls time out while it still holds, and may still change, their sequences),
 ``drafter-restart`` (stale state: SIGKILL the drafter and start a new one on its port at
-once, so the gateway's next Propose names sequences the new drafter never saw and must start
+once, so the gateway's next Step names sequences the new drafter never saw and must start
 them again from its history), ``drafter-late`` (every draft misses a 1 ms deadline:
 target-only steps), and
 ``client-disconnect`` (one client walks away mid-stream: its slot must come back, the other

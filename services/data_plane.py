@@ -2,8 +2,8 @@
 accepted-path hidden rows of a micro-batch as one tensor, the drafter (rank 1) receives it;
 gRPC carries only the transfer id and row ranges (``PlaneRef``), signed: when the process group
 forms, the verifier draws a key and broadcasts it to the drafter over the group, so only the
-two of them can sign a reference; the gateway relays references it cannot forge (a forged one
-would make the drafter allocate and wait for a transfer that was never sent).
+two of them can sign a reference, and the drafter refuses any other (a forged one would make
+it allocate and wait for a transfer that was never sent).
 
 ``gloo`` runs on CPU, ``nccl`` on GPU (tensors on the current CUDA device). The process group
 forms in the background when both ranks are up (``ready``); until then, and after the peer

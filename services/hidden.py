@@ -104,17 +104,6 @@ class HiddenReceiver:
             )
         return rows.to(self.device)  # a no-op on the CPU
 
-    def discard(self, ref: common_pb2.PlaneRef) -> None:
-        """Receive a transfer nobody will read (its sequences finished or lost step) and drop
-        it; one already received needs nothing."""
-        received = (
-            ref.transfer_id in self._done
-            or ref.transfer_id in self._received
-            or ref.transfer_id <= self._newest - PLANE_WINDOW
-        )
-        if self.plane is not None and self.plane.ready and not received:
-            self._from_plane(ref)
-
     def end_batch(self) -> None:
         """Forget the transfers of the finished call (each is used by one micro-batch)."""
         self._received.clear()

@@ -21,7 +21,10 @@ API::
                                         # "{gateway_port}", "{method}" are substituted, and the
                                         # same values are in LYANNA_VERIFIER_ADDR,
                                         # LYANNA_DRAFTER_ADDR, LYANNA_GATEWAY_PORT
-        verifier_args=(), drafter_args=(),  # extra flags, e.g. ("--max-running", "16")
+        verifier_args=(), drafter_args=(),  # extra flags, e.g. ("--max-running", "16"); the
+                                        # drafter is told where the verifier is (its port
+                                        # file, --verifier-port-file) and gets ``tls``'s
+                                        # client settings (--verifier-ca/-cert/-key)
         torch_threads=1,                # per service process
         plane="grpc",                   # or "gloo" / "nccl": hidden states over torch.distributed
         startup_timeout=180.0,
@@ -216,7 +219,7 @@ def launch(
     """Start drafter and verifier (and the gateway command), wait for health; see the module
     docstring. On any startup failure everything started so far is stopped. Services that
     serve TLS (``--tls-*`` in ``verifier_args`` / ``drafter_args``) are health-checked with
-    ``tls``."""
+    ``tls``, and the drafter reaches the verifier with it."""
     scratch = tempfile.TemporaryDirectory(prefix="lyanna-services-") if log_dir is None else None
     logs = Path(scratch.name if scratch else log_dir)
     logs.mkdir(parents=True, exist_ok=True)
@@ -234,7 +237,8 @@ def launch(
     )
     deployment.children["drafter"] = _Child(
         "drafter",
-        [*python, "services.drafter", *common, "--method", method, *drafter_args],
+        [*python, "services.drafter", *common, "--method", method, *_verifier_link(logs, tls)]
+        + list(drafter_args),
         logs / "drafter.log",
     )
     try:
@@ -248,6 +252,19 @@ def launch(
         deployment.stop()
         raise
     return deployment
+
+
+def _verifier_link(logs: Path, tls: ClientTls | None) -> list[str]:
+    """The drafter's flags to reach the verifier: the port file the verifier writes (read on
+    the drafter's first Step, so both start at once) and the launcher's client TLS."""
+    flags = ["--verifier-port-file", str((logs / "verifier.log").with_suffix(".port"))]
+    if tls is not None:
+        flags += ["--verifier-ca", tls.ca]
+        if tls.cert and tls.key:
+            flags += ["--verifier-cert", tls.cert, "--verifier-key", tls.key]
+        if tls.server_name:
+            flags += ["--verifier-server-name", tls.server_name]
+    return flags
 
 
 def _start_gateway(deployment: Deployment, command: list[str], method: str) -> None:

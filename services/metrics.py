@@ -71,7 +71,7 @@ class DrafterMetrics:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.draft_seconds = Histogram(
             "lyanna_drafter_draft_seconds",
-            "Seconds of one Propose call's drafting (learning the last step + proposing).",
+            "Seconds of one Step call's drafting (learning unseen steps + proposing).",
             buckets=FORWARD_BUCKETS,
             registry=r,
         )

@@ -1,11 +1,13 @@
-"""TLS and mutual TLS for the gRPC services and their clients (the gateway, the launcher's
-health checks).
+"""TLS and mutual TLS for the gRPC services and their clients (the gateway, the drafter's
+link to the verifier, the launcher's health checks).
 
 A service with ``--tls-cert`` / ``--tls-key`` serves TLS only; with ``--tls-client-ca`` too it
 requires every client to present a certificate that CA signed (mutual TLS), so only holders of
-a client certificate (the gateway) can call Prefill, Verify, Propose or Release. A client
-names the CA that signed the services' certificates (``ClientTls.ca``) and, for mutual TLS,
-its own certificate and key. Certificates are PEM files read once at start.
+a client certificate (the gateway, and the drafter with the same client settings:
+``--verifier-ca`` / ``--verifier-cert`` / ``--verifier-key``) can call Prefill, Verify, Step
+or Release. A client names the CA that signed the services' certificates (``ClientTls.ca``)
+and, for mutual TLS, its own certificate and key. Certificates are PEM files read once at
+start.
 """
 
 from __future__ import annotations

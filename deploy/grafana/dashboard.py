@@ -234,7 +234,7 @@ def panels() -> list[Panel]:
         latency_panel(
             "Verifier acceptance rules", "lyanna_verifier_rule_seconds", by="", labels=""
         ),
-        latency_panel("Drafter Propose", "lyanna_drafter_draft_seconds", by="", labels=""),
+        latency_panel("Drafter Step drafting", "lyanna_drafter_draft_seconds", by="", labels=""),
         Panel(
             "timeseries",
             "Verifier KV slots",

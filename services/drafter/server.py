@@ -1,12 +1,18 @@
 """The drafter gRPC servicer: wraps any drafter of ``lyanna.drafters.DRAFTERS`` (or a custom
-factory) and tracks each sequence's committed length.
+factory), tracks each sequence's committed length and relays each step's verification.
 
 Start begins a sequence from its committed tokens (+ their target hidden states) and next
-token. Propose first hands each sequence's last verification to ``drafter.on_verified``, then
-asks ``drafter.propose`` for one tree per sequence of the micro-batch. Every item's ``SeqRef``
-must match the length the drafter holds (FAILED_PRECONDITION otherwise, NOT_FOUND for an
-unknown sequence). If the drafter itself fails, the batch's sequences are dropped, so the
-caller's next call gets NOT_FOUND and re-Starts them instead of drafting from broken state.
+token. Step runs one speculative step of a micro-batch: it hands each sequence the
+verifications the caller ran without the drafter (quiet steps) via ``drafter.on_verified``,
+asks ``drafter.propose`` for one tree per drafted sequence, verifies every tree of the call
+(and root-only trees for the caller's undrafted sequences) in one ``Verify`` to the verifier
+(``--verifier``), learns the outcome at once (hidden rows included, inline or over the data
+plane) and returns the verifier's results. Every drafted item's ``SeqRef`` must match the
+length the drafter holds plus its unseen steps (FAILED_PRECONDITION otherwise, NOT_FOUND for
+an unknown sequence). If the drafter or the verifier call fails, the drafted sequences are
+dropped, so the caller re-Starts them instead of drafting from state in doubt; a failed
+verifier call answers ABORTED (the caller re-runs the step directly against the verifier,
+whose Verify answers a retried step with the result it already committed).
 
 Verification fusion stays inside the drafter (``LyannaDrafter`` merges the re-sampled subtree
 of the last verification into the fresh tree under the budget): it owns the chain logits the
@@ -15,34 +21,28 @@ subtree is re-sampled from, and the in-process engine then runs the very same co
 
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from itertools import count
 
 import grpc
 import torch
 
-from lyanna.drafters import (
-    DRAFTERS,
-    TREE_MODES,
-    DraftBudget,
-    DraftCapacity,
-    Drafter,
-    VerifiedStep,
-    default_budget,
-    make_drafter,
-    tree_budget,
-)
+from lyanna.drafters import DraftBudget, Drafter, VerifiedStep
 from lyanna.model import load_model
-from lyanna.model.device import parse_dtype, parse_placement
-from lyanna.model.loader import WEIGHT_FORMATS
-from lyanna.model.transformer import Transformer
 from lyanna.threads import serving_threads
+from lyanna.tree import TokenTree
 from services import codec
 from services.config import ServerConfig, parse_configs
 from services.data_plane import DataPlane
+from services.drafter.config import DrafterConfig, make_configured_drafter
+from services.drafter.relay import (
+    VerifierLink,
+    describe_failure,
+    port_file_addr,
+    verify_request,
+)
 from services.hidden import HiddenReceiver
 from services.metrics import DrafterMetrics, serve_metrics
 from services.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
@@ -56,70 +56,11 @@ from services.server import (
     serve,
 )
 
-MAX_QUIET_STEPS = 64  # quiet steps one Propose may hand over (the gate waits at most 32)
+MAX_QUIET_STEPS = 64  # unseen quiet steps one Step may hand over (the gate waits at most 32)
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 log = logging.getLogger("lyanna.services.drafter")
 
-
-@dataclass(frozen=True, slots=True)
-class DrafterConfig:
-    method: str = "lyanna"  # a name from lyanna.drafters.DRAFTERS
-    model: str = ""  # target checkpoint (drafters share its embeddings); "" = default model
-    # the target's format here, the verifier's (auto picks the same on the same machine):
-    # the cost curve of --tree cost is measured on it
-    weights: str = "auto"
-    # where the target (and the drafter's inputs) live: the verifier's --device / --dtype;
-    # learned drafters draft on the CPU only (lyanna.drafters.make_drafter says so)
-    device: str = "cpu"  # cpu | cuda | cuda:N
-    dtype: str = "float32"  # float32 | bfloat16 (bf16) | float16 (fp16)
-    # tree shape; unset = the method's measured default (lyanna.drafters.DEFAULT_BUDGETS)
-    depth: int | None = None
-    top_k: int | None = None
-    max_draft_tokens: int | None = None
-    tree: str = "cost"  # cost: trees sized by the target's cost curve; fixed: the budget
-    # gated-off steps of a learned drafter draft n-gram (true) or nothing (false: they are
-    # announced quiet, and the gateway verifies them in multi-step calls without asking).
-    # Measured (bench.serving, 16 requests of 64 tokens, Zen 5): a Propose call on every step
-    # cost more than the n-gram drafts won, 146 / 248 / 362 tok/s at concurrency 1 / 4 / 16
-    # against 189 / 290 / 423 without; in one process (embedded) the fallback wins
-    free_fallback: bool = False
-    # sequences held and rows each may grow to: the verifier's --max-running / --max-len
-    max_running: int = 16
-    max_len: int = 4096
-    # "module:function" building a Drafter from (target model, budget, capacity) instead of the
-    # registry: custom drafters, tests with random-weight heads
-    factory: str | None = None
-
-    def __post_init__(self) -> None:
-        self.shape()  # DraftBudget validates it
-        DraftCapacity(self.max_running, self.max_len)  # validates them
-        if self.tree not in TREE_MODES:
-            raise ValueError(f"tree must be one of {TREE_MODES}, got {self.tree!r}")
-        if self.weights not in WEIGHT_FORMATS:
-            raise ValueError(f"weights must be one of {WEIGHT_FORMATS}")
-        if self.factory is None and self.method not in DRAFTERS:
-            raise ValueError(f"unknown method {self.method!r}; known: {sorted(DRAFTERS)}")
-        if self.factory is not None and ":" not in self.factory:
-            raise ValueError("factory must look like 'package.module:function'")
-        parse_placement(self.device, self.dtype, self.weights)  # at start-up, not in a forward
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return parse_dtype(self.dtype)
-
-    def shape(self, model: Transformer | None = None) -> DraftBudget:
-        """The tree shape: the method's default (for ``model``'s engine) with the fields set
-        here on top."""
-        base = default_budget(self.method, model)
-        return DraftBudget(
-            base.depth if self.depth is None else self.depth,
-            base.top_k if self.top_k is None else self.top_k,
-            base.max_tokens if self.max_draft_tokens is None else self.max_draft_tokens,
-        )
-
-    def budget(self, model: Transformer) -> DraftBudget:
-        """The shape, with the target's cost curve for ``tree='cost'``."""
-        return tree_budget(self.method, model, self.tree, self.shape(model))
+__all__ = ["DrafterConfig", "DrafterServicer", "build_servicer", "main", "make_configured_drafter"]
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
@@ -130,13 +71,17 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         receiver: HiddenReceiver,
         vocab_size: int,
         budget: DraftBudget | None = None,
+        verifier: VerifierLink | None = None,  # None: Step is refused
     ) -> None:
         self.drafter = drafter
         self.config = config
         self.budget = budget or config.shape()
         self.receiver = receiver
         self.vocab_size = vocab_size
+        self.verifier = verifier
         self._committed: dict[int, int] = {}  # seq id -> tokens in the target KV
+        self._starts: dict[int, int] = {}  # seq id -> which Start began its state
+        self._start_ids = count()
         self.metrics = DrafterMetrics()
         self._lock = threading.Lock()
 
@@ -150,6 +95,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             max_draft_tokens=budget.max_tokens,
             max_depth=budget.depth,
             top_k=budget.top_k,
+            verifier_linked=self.verifier is not None,
         )
 
     @rpc_errors
@@ -166,90 +112,173 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 params = codec.decode_params(item.params) if item.HasField("params") else None
                 self.drafter.start(seq_id, prompt, hidden, item.first_token, params)
                 self._committed[seq_id] = len(prompt)
+                self._starts[seq_id] = next(self._start_ids)
                 self.metrics.starts.inc()
             self.metrics.sequences.set(len(self._committed))
             self.receiver.end_batch()
         return drafter_pb2.StartResponse(num_started=len(request.items))
 
     @rpc_errors
-    def Propose(self, request, context) -> drafter_pb2.ProposeResponse:
+    def Step(self, request, context) -> drafter_pb2.StepResponse:
+        """Draft, verify through the verifier, learn (see the module docstring). Unary, one
+        micro-batch a call like every RPC here: the caller's deadline bounds the whole step
+        and a failed step is retried as a whole, directly (the verifier answers a retried
+        step again); a stream per lane would save no round trip (calls share one HTTP/2
+        connection) and would need a resume protocol of its own."""
+        arrived = time.monotonic()
+        if self.verifier is None:
+            raise out_of_step("this drafter has no verifier to verify through (--verifier)")
         items = list(request.items)
         seq_ids = [item.ref.seq_id for item in items]
         if len(set(seq_ids)) != len(seq_ids):
-            raise invalid("a sequence may appear once per Propose call")
+            raise invalid("a sequence may appear once per Step call")
+        self._check_tokens([item.next_token for item in items])
+        drafted = [item for item in items if item.draft]
+        trees, quiet, starts, draft_seconds = self._draft(request, drafted, context, arrived)
+        use_plane = bool(request.use_data_plane and self.receiver.plane is not None)
+        use_plane = use_plane and self.receiver.plane.ready
+        verify = verify_request(items, trees, self.drafter.needs_hidden, use_plane)
+        try:
+            response = self.verifier.verify(verify, context.time_remaining())
+            if [r.ref.seq_id for r in response.results] != seq_ids:
+                raise ServiceError(grpc.StatusCode.INTERNAL, "the verifier answered other items")
+        except (grpc.RpcError, ServiceError, ValueError) as error:  # (ValueError: no address)
+            with self._lock:
+                self._drop_all([item.ref.seq_id for item in drafted])
+            what = describe_failure(error) if isinstance(error, grpc.RpcError) else str(error)
+            raise ServiceError(grpc.StatusCode.ABORTED, f"verifier: {what}") from None
+        resampled, used_plane = self._learn_verified(items, response.results, starts)
+        results = [
+            drafter_pb2.StepResult(
+                verified=result,
+                num_resampled_accepted=resampled.get(item.ref.seq_id, 0),
+                quiet_steps=quiet.get(item.ref.seq_id, 0),
+            )
+            for item, result in zip(items, response.results, strict=True)
+        ]
+        return drafter_pb2.StepResponse(
+            results=results,
+            draft_seconds=draft_seconds,
+            forward_seconds=response.forward_seconds,
+            used_data_plane=used_plane,
+        )
+
+    def _draft(
+        self, request, drafted: list[drafter_pb2.StepItem], context, arrived: float
+    ) -> tuple[dict[int, TokenTree], dict[int, int], dict[int, int], float]:
+        """Learn the unseen steps and propose a tree per drafted item: the trees, quiet steps
+        and start numbers by sequence, and the seconds it took."""
+        ids = [item.ref.seq_id for item in drafted]
         with self._lock:
             try:
-                steps = [self._step_of(item) for item in items]
+                unseen = [self._unseen_of(item) for item in drafted]
             finally:
                 self.receiver.end_batch()
+            deadline = request.draft_deadline
             if not context.is_active():  # waited past the caller's deadline: the gateway
                 # will start these sequences again, so drop them rather than draft for no one
-                for seq_id in seq_ids:
-                    self._drop(seq_id)
+                self._drop_all(ids)
                 raise ServiceError(grpc.StatusCode.CANCELLED, "the caller is gone; nothing drafted")
             start = time.perf_counter()
             try:
-                resampled = [self._learn(seq_steps) for seq_steps in steps]
-                trees = self.drafter.propose(seq_ids) if seq_ids else []
-                quiet = [self._quiet_steps(seq_id) for seq_id in seq_ids]
+                for steps in unseen:
+                    self._learn(steps)
+                trees = self.drafter.propose(ids) if ids else []
+                quiet = {seq_id: self._quiet_steps(seq_id) for seq_id in ids}
             except Exception:
-                for seq_id in seq_ids:
-                    self._drop(seq_id)
+                self._drop_all(ids)
                 raise
-            for seq_id, seq_steps in zip(seq_ids, steps, strict=True):
-                if seq_steps:
-                    self._committed[seq_id] = seq_steps[-1].num_committed
+            for seq_id, steps in zip(ids, unseen, strict=True):
+                if steps:
+                    self._committed[seq_id] = steps[-1].num_committed
             draft_seconds = time.perf_counter() - start
-            held = [self._committed[seq_id] for seq_id in seq_ids]
+            wrong = [
+                item.ref.seq_id
+                for item, tree in zip(drafted, trees, strict=True)
+                if int(tree.tokens[0]) != item.next_token
+            ]
+            late = deadline > 0 and time.monotonic() - arrived > deadline
+            if wrong or late:
+                self._drop_all(ids)
+                if late:
+                    raise ServiceError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED, f"drafting took over {deadline:g} s"
+                    )
+                raise out_of_step(f"sequences {wrong}: the caller's next token is another root")
             self.metrics.draft_seconds.observe(draft_seconds)
             self.metrics.proposals.inc(len(trees))
             self.metrics.proposed_tokens.inc(sum(tree.num_drafted for tree in trees))
-        proposals = [
-            drafter_pb2.Proposal(
-                ref=common_pb2.SeqRef(seq_id=seq_id, num_committed=num_committed),
-                tree=codec.encode_tree(tree, with_draft_probs=item.want_draft_probs),
-                num_resampled_accepted=count,
-                quiet_steps=num_quiet,
-            )
-            for seq_id, num_committed, item, tree, count, num_quiet in zip(
-                seq_ids, held, items, trees, resampled, quiet, strict=True
-            )
-        ]
-        return drafter_pb2.ProposeResponse(proposals=proposals, draft_seconds=draft_seconds)
+            starts = {seq_id: self._starts[seq_id] for seq_id in ids}
+        return dict(zip(ids, trees, strict=True)), quiet, starts, draft_seconds
+
+    def _learn_verified(
+        self, items: list[drafter_pb2.StepItem], results, starts: dict[int, int]
+    ) -> tuple[dict[int, int], bool]:
+        """Hand each drafted sequence its verification (the caller gets inline hidden rows
+        where it asked); returns the re-sampled accepted counts and whether rows came over the
+        data plane. A sequence released or restarted meanwhile is left alone."""
+        resampled: dict[int, int] = {}
+        used_plane = any(r.hidden.WhichOneof("payload") == "plane" for r in results)
+        with self._lock:
+            try:
+                for item, result in zip(items, results, strict=True):
+                    seq_id, num_rows = item.ref.seq_id, len(result.committed)
+                    rows = None
+                    kind = result.hidden.WhichOneof("payload")
+                    needed = item.draft and self.drafter.needs_hidden
+                    if kind == "plane" or (kind and needed):  # (plane rows: claimed always)
+                        rows = self.receiver.decode(result.hidden, num_rows)
+                    if not item.return_hidden or kind is None:
+                        result.ClearField("hidden")
+                    elif kind == "plane":
+                        result.hidden.tensor.CopyFrom(codec.encode_tensor(rows))
+                    held = self._committed.get(seq_id) == item.ref.num_committed
+                    if not item.draft or not held or self._starts.get(seq_id) != starts[seq_id]:
+                        continue
+                    step = VerifiedStep(
+                        seq_id=seq_id,
+                        committed=list(result.committed),
+                        hidden=rows if needed else None,
+                        next_token=result.tokens[-1],
+                        num_accepted=result.num_accepted,
+                        num_committed=result.ref.num_committed,
+                    )
+                    resampled[seq_id] = self.drafter.on_verified([step]).get(seq_id, 0)
+                    self._committed[seq_id] = result.ref.num_committed
+            except Exception as error:  # committed on the verifier: the caller retries there
+                self._drop_all([item.ref.seq_id for item in items if item.draft])
+                log.exception("learning a verified step failed")
+                raise ServiceError(grpc.StatusCode.ABORTED, f"learning failed: {error}") from None
+            finally:
+                self.receiver.end_batch()
+        return resampled, used_plane
 
     @rpc_errors
     def Release(self, request, context) -> common_pb2.ReleaseResponse:
         with self._lock:
             released = sum(self._drop(seq_id) for seq_id in request.seq_ids)
             self.metrics.sequences.set(len(self._committed))
-            try:
-                for ref in request.discard:
-                    self.receiver.discard(ref)
-            finally:
-                self.receiver.end_batch()
         return common_pb2.ReleaseResponse(num_released=released)
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _step_of(self, item: drafter_pb2.ProposeItem) -> list[VerifiedStep]:
-        """The item's verifications in order: its quiet steps, then ``verified``."""
+    def _unseen_of(self, item: drafter_pb2.StepItem) -> list[VerifiedStep]:
+        """A drafted item's unseen (quiet) verifications, checked, in order."""
         seq_id = item.ref.seq_id
         if seq_id not in self._committed:
             raise not_found(f"unknown sequence {seq_id}")
         held = self._committed[seq_id]
-        if held != item.ref.num_committed:
+        if len(item.unseen) > MAX_QUIET_STEPS:
+            raise invalid(f"sequence {seq_id}: more than {MAX_QUIET_STEPS} unseen steps")
+        if any(len(step.committed) != 1 for step in item.unseen):
+            raise invalid(f"sequence {seq_id}: an unseen step verifies a root-only tree")
+        if held + len(item.unseen) != item.ref.num_committed:
             raise out_of_step(
                 f"sequence {seq_id}: caller has {item.ref.num_committed} committed tokens, "
-                f"the drafter has {held}"
+                f"the drafter has {held} and {len(item.unseen)} unseen steps"
             )
-        if len(item.quiet) > MAX_QUIET_STEPS:
-            raise invalid(f"sequence {seq_id}: more than {MAX_QUIET_STEPS} quiet steps")
-        if item.quiet and not item.HasField("verified"):
-            raise invalid(f"sequence {seq_id}: quiet steps come before a verified step")
-        if any(len(quiet.committed) != 1 for quiet in item.quiet):
-            raise invalid(f"sequence {seq_id}: a quiet step verifies a root-only tree")
         steps = []
-        for verified in [*item.quiet, item.verified] if item.HasField("verified") else []:
+        for verified in item.unseen:
             steps.append(self._verified_step(seq_id, verified, held))
             held = steps[-1].num_committed
         return steps
@@ -295,24 +324,17 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         if any(not 0 <= t < self.vocab_size for t in tokens):
             raise invalid(f"token ids must be in [0, {self.vocab_size})")
 
+    def _drop_all(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self._drop(seq_id)
+        self.metrics.sequences.set(len(self._committed))
+
     def _drop(self, seq_id: int) -> bool:
+        self._starts.pop(seq_id, None)
         if self._committed.pop(seq_id, None) is None:
             return False
         self.drafter.release(seq_id)
         return True
-
-
-def make_configured_drafter(
-    config: DrafterConfig, model: Transformer, budget: DraftBudget
-) -> Drafter:
-    capacity = DraftCapacity(config.max_running, config.max_len)
-    if config.factory is None:
-        return make_drafter(
-            config.method, model, budget, capacity, free_fallback=config.free_fallback
-        )
-    module_name, _, function = config.factory.partition(":")
-    factory = getattr(importlib.import_module(module_name), function)
-    return factory(model, budget, capacity)
 
 
 def build_servicer(config: DrafterConfig, server_config: ServerConfig) -> DrafterServicer:
@@ -334,7 +356,17 @@ def build_servicer(config: DrafterConfig, server_config: ServerConfig) -> Drafte
         plane.connect_in_background()
     device = model.embed_tokens.weight.device
     receiver = HiddenReceiver(model.config.hidden_size, model.dtype, plane, device=device)
-    return DrafterServicer(drafter, config, receiver, model.config.vocab_size, budget)
+    verifier, addr = None, config.verifier or None
+    if addr is None and config.verifier_port_file:
+        addr = port_file_addr(config.verifier_port_file)
+    if addr is not None:
+        tls, size = config.verifier_tls(), server_config.max_message_mb
+        verifier = VerifierLink(addr, tls, size, config.verify_deadline)
+    else:
+        log.warning("no --verifier: Step is refused (the gateway decodes target-only)")
+    return DrafterServicer(
+        drafter, config, receiver, model.config.vocab_size, budget, verifier=verifier
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -353,5 +385,12 @@ def main(argv: list[str] | None = None) -> int:
     plane = servicer.receiver.plane
     if plane is not None and not plane.wait_ready(server_config.plane_timeout):
         logging.warning("data plane not ready; hidden states travel inline")
-    serve(server_config, add, (SERVICE_NAME,), on_stop=plane.close if plane else None)
+
+    def stop() -> None:
+        if servicer.verifier is not None:
+            servicer.verifier.close()
+        if plane is not None:
+            plane.close()
+
+    serve(server_config, add, (SERVICE_NAME,), on_stop=stop)
     return 0

@@ -89,12 +89,10 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("seq_ids", "discard")
+    __slots__ = ("seq_ids",)
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
-    DISCARD_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    discard: _containers.RepeatedCompositeFieldContainer[PlaneRef]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., discard: _Optional[_Iterable[_Union[PlaneRef, _Mapping]]] = ...) -> None: ...
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("num_released",)

@@ -1,4 +1,5 @@
 from services.pb import common_pb2 as _common_pb2
+from services.pb import verifier_pb2 as _verifier_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -12,20 +13,22 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("method", "scheme", "needs_hidden", "max_draft_tokens", "max_depth", "top_k")
+    __slots__ = ("method", "scheme", "needs_hidden", "max_draft_tokens", "max_depth", "top_k", "verifier_linked")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     SCHEME_FIELD_NUMBER: _ClassVar[int]
     NEEDS_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_LINKED_FIELD_NUMBER: _ClassVar[int]
     method: str
     scheme: _common_pb2.DraftScheme
     needs_hidden: bool
     max_draft_tokens: int
     max_depth: int
     top_k: int
-    def __init__(self, method: _Optional[str] = ..., scheme: _Optional[_Union[_common_pb2.DraftScheme, str]] = ..., needs_hidden: _Optional[bool] = ..., max_draft_tokens: _Optional[int] = ..., max_depth: _Optional[int] = ..., top_k: _Optional[int] = ...) -> None: ...
+    verifier_linked: bool
+    def __init__(self, method: _Optional[str] = ..., scheme: _Optional[_Union[_common_pb2.DraftScheme, str]] = ..., needs_hidden: _Optional[bool] = ..., max_draft_tokens: _Optional[int] = ..., max_depth: _Optional[int] = ..., top_k: _Optional[int] = ..., verifier_linked: _Optional[bool] = ...) -> None: ...
 
 class StartItem(_message.Message):
     __slots__ = ("ref", "prompt_ids", "first_token", "prompt_hidden", "params")
@@ -65,40 +68,50 @@ class VerifiedStep(_message.Message):
     num_accepted: int
     def __init__(self, committed: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., next_token: _Optional[int] = ..., num_accepted: _Optional[int] = ...) -> None: ...
 
-class ProposeItem(_message.Message):
-    __slots__ = ("ref", "verified", "want_draft_probs", "quiet")
+class StepItem(_message.Message):
+    __slots__ = ("ref", "next_token", "draft", "want_draft_probs", "return_hidden", "unseen")
     REF_FIELD_NUMBER: _ClassVar[int]
-    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
     WANT_DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
-    QUIET_FIELD_NUMBER: _ClassVar[int]
+    RETURN_HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    UNSEEN_FIELD_NUMBER: _ClassVar[int]
     ref: _common_pb2.SeqRef
-    verified: VerifiedStep
+    next_token: int
+    draft: bool
     want_draft_probs: bool
-    quiet: _containers.RepeatedCompositeFieldContainer[VerifiedStep]
-    def __init__(self, ref: _Optional[_Union[_common_pb2.SeqRef, _Mapping]] = ..., verified: _Optional[_Union[VerifiedStep, _Mapping]] = ..., want_draft_probs: _Optional[bool] = ..., quiet: _Optional[_Iterable[_Union[VerifiedStep, _Mapping]]] = ...) -> None: ...
+    return_hidden: bool
+    unseen: _containers.RepeatedCompositeFieldContainer[VerifiedStep]
+    def __init__(self, ref: _Optional[_Union[_common_pb2.SeqRef, _Mapping]] = ..., next_token: _Optional[int] = ..., draft: _Optional[bool] = ..., want_draft_probs: _Optional[bool] = ..., return_hidden: _Optional[bool] = ..., unseen: _Optional[_Iterable[_Union[VerifiedStep, _Mapping]]] = ...) -> None: ...
 
-class ProposeRequest(_message.Message):
-    __slots__ = ("items",)
+class StepRequest(_message.Message):
+    __slots__ = ("items", "use_data_plane", "draft_deadline")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
-    items: _containers.RepeatedCompositeFieldContainer[ProposeItem]
-    def __init__(self, items: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ...) -> None: ...
+    USE_DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[StepItem]
+    use_data_plane: bool
+    draft_deadline: float
+    def __init__(self, items: _Optional[_Iterable[_Union[StepItem, _Mapping]]] = ..., use_data_plane: _Optional[bool] = ..., draft_deadline: _Optional[float] = ...) -> None: ...
 
-class Proposal(_message.Message):
-    __slots__ = ("ref", "tree", "num_resampled_accepted", "quiet_steps")
-    REF_FIELD_NUMBER: _ClassVar[int]
-    TREE_FIELD_NUMBER: _ClassVar[int]
+class StepResult(_message.Message):
+    __slots__ = ("verified", "num_resampled_accepted", "quiet_steps")
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
     NUM_RESAMPLED_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     QUIET_STEPS_FIELD_NUMBER: _ClassVar[int]
-    ref: _common_pb2.SeqRef
-    tree: _common_pb2.TokenTree
+    verified: _verifier_pb2.VerifyResult
     num_resampled_accepted: int
     quiet_steps: int
-    def __init__(self, ref: _Optional[_Union[_common_pb2.SeqRef, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., num_resampled_accepted: _Optional[int] = ..., quiet_steps: _Optional[int] = ...) -> None: ...
+    def __init__(self, verified: _Optional[_Union[_verifier_pb2.VerifyResult, _Mapping]] = ..., num_resampled_accepted: _Optional[int] = ..., quiet_steps: _Optional[int] = ...) -> None: ...
 
-class ProposeResponse(_message.Message):
-    __slots__ = ("proposals", "draft_seconds")
-    PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+class StepResponse(_message.Message):
+    __slots__ = ("results", "draft_seconds", "forward_seconds", "used_data_plane")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    proposals: _containers.RepeatedCompositeFieldContainer[Proposal]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    USED_DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[StepResult]
     draft_seconds: float
-    def __init__(self, proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ..., draft_seconds: _Optional[float] = ...) -> None: ...
+    forward_seconds: float
+    used_data_plane: bool
+    def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., draft_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., used_data_plane: _Optional[bool] = ...) -> None: ...

@@ -45,10 +45,10 @@ class DrafterStub:
                 request_serializer=lyanna_dot_v1_dot_drafter__pb2.StartRequest.SerializeToString,
                 response_deserializer=lyanna_dot_v1_dot_drafter__pb2.StartResponse.FromString,
                 _registered_method=True)
-        self.Propose = channel.unary_unary(
-                '/lyanna.v1.Drafter/Propose',
-                request_serializer=lyanna_dot_v1_dot_drafter__pb2.ProposeRequest.SerializeToString,
-                response_deserializer=lyanna_dot_v1_dot_drafter__pb2.ProposeResponse.FromString,
+        self.Step = channel.unary_unary(
+                '/lyanna.v1.Drafter/Step',
+                request_serializer=lyanna_dot_v1_dot_drafter__pb2.StepRequest.SerializeToString,
+                response_deserializer=lyanna_dot_v1_dot_drafter__pb2.StepResponse.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/lyanna.v1.Drafter/Release',
@@ -73,8 +73,10 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Propose(self, request, context):
-        """Learn each sequence's last verification (if any) and propose its next tree.
+    def Step(self, request, context):
+        """One speculative step of a micro-batch: learn the verifications the caller ran without
+        the drafter, draft each sequence's tree, verify them all in one Verify call to the
+        verifier, learn the outcome and return it. One round trip on the caller's critical path.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -99,10 +101,10 @@ def add_DrafterServicer_to_server(servicer, server):
                     request_deserializer=lyanna_dot_v1_dot_drafter__pb2.StartRequest.FromString,
                     response_serializer=lyanna_dot_v1_dot_drafter__pb2.StartResponse.SerializeToString,
             ),
-            'Propose': grpc.unary_unary_rpc_method_handler(
-                    servicer.Propose,
-                    request_deserializer=lyanna_dot_v1_dot_drafter__pb2.ProposeRequest.FromString,
-                    response_serializer=lyanna_dot_v1_dot_drafter__pb2.ProposeResponse.SerializeToString,
+            'Step': grpc.unary_unary_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=lyanna_dot_v1_dot_drafter__pb2.StepRequest.FromString,
+                    response_serializer=lyanna_dot_v1_dot_drafter__pb2.StepResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -175,7 +177,7 @@ class Drafter:
             _registered_method=True)
 
     @staticmethod
-    def Propose(request,
+    def Step(request,
             target,
             options=(),
             channel_credentials=None,
@@ -188,9 +190,9 @@ class Drafter:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/lyanna.v1.Drafter/Propose',
-            lyanna_dot_v1_dot_drafter__pb2.ProposeRequest.SerializeToString,
-            lyanna_dot_v1_dot_drafter__pb2.ProposeResponse.FromString,
+            '/lyanna.v1.Drafter/Step',
+            lyanna_dot_v1_dot_drafter__pb2.StepRequest.SerializeToString,
+            lyanna_dot_v1_dot_drafter__pb2.StepResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -68,8 +68,10 @@ class VerifierServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Verify(self, request, context):
-        """Verify one tree per sequence (optionally fused with a re-sampled subtree), commit the
-        accepted path and return the emitted tokens.
+        """Verify one tree per sequence, commit the accepted path and return the emitted tokens.
+        Idempotent per step: an item whose ref.num_committed is the sequence's length before its
+        last verification (a retry of a step that ran, e.g. by a caller whose relay died before
+        answering) gets that verification's result again, and nothing runs.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

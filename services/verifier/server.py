@@ -6,6 +6,12 @@ and returns the emitted tokens with the accepted path's hidden states. A root-on
 ask for several plain decode steps (``VerifyItem.steps``): the call then runs that many
 forwards, each step's token the next one's root, and returns them together. One lock
 serializes model work; health, reflection and Capacity answer while a forward runs.
+
+Verify is idempotent per step, so no token is lost or duplicated when the drafter that relays
+a step dies after the verifier committed it and before the gateway heard: the gateway retries
+the step directly with its own committed length, which is the sequence's length *before* the
+last verification, and gets that verification's result again (kept per sequence with its
+hidden rows) instead of a FAILED_PRECONDITION; nothing runs twice.
 """
 
 from __future__ import annotations
@@ -35,6 +41,16 @@ from services.server import ServiceError, exit_with_parent, invalid, out_of_step
 
 MAX_STEPS = 64  # plain decode steps one Verify item may ask for
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+log = logging.getLogger("lyanna.services.verifier")
+
+
+@dataclass(slots=True, eq=False)
+class LastStep:
+    """A sequence's last verification, answered again to a retry of the same step."""
+
+    before: int  # committed length before it (the retry's ref)
+    result: verifier_pb2.VerifyResult  # without hidden rows
+    hidden: torch.Tensor | None  # its accepted-path rows, when they were computed
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +93,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.model_name = model_name
         self.vocab_size = runner.model.config.vocab_size
         self.metrics = VerifierMetrics(config.max_running)
+        self._last: dict[int, LastStep] = {}  # seq id -> its last verification
         self._lock = threading.Lock()
 
     @rpc_errors
@@ -94,7 +111,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 for item, item_params in zip(items, params, strict=True):
                     resume = item.next_token if item.HasField("next_token") else None
                     if resume is not None:  # the gateway's history is the truth: a copy this
-                        self.runner.release(item.seq_id)  # verifier still holds is stale
+                        self._forget(item.seq_id)  # verifier still holds is stale
                     prefilled = self.runner.prefill(
                         item.seq_id,
                         list(item.prompt_ids),
@@ -106,12 +123,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     hidden.append(prefilled.hidden if item.return_hidden else None)
             except Exception:
                 for seq_id in done:
-                    self.runner.release(seq_id)
+                    self._forget(seq_id)
                 raise
             self.metrics.slots(self.runner.num_free_slots)
             if not context.is_active():  # the caller gave up (deadline, cancel): keep no slot
                 for seq_id in done:
-                    self.runner.release(seq_id)
+                    self._forget(seq_id)
                 self.metrics.slots(self.runner.num_free_slots)
                 raise ServiceError(
                     grpc.StatusCode.CANCELLED, "the caller is gone; its sequences were released"
@@ -145,53 +162,86 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 raise ServiceError(
                     grpc.StatusCode.CANCELLED, "the caller is gone; nothing verified"
                 )
-            for item, tree in zip(items, trees, strict=True):
-                self._check_ref(item.ref)
-                rows = item.ref.num_committed + tree.num_nodes + max(item.steps, 1) - 1
+            replays = {i: last for i, item in enumerate(items) if (last := self._replay(item))}
+            fresh = [i for i in range(len(items)) if i not in replays]
+            for i in fresh:
+                self._check_ref(items[i].ref)
+                rows = items[i].ref.num_committed + trees[i].num_nodes + max(items[i].steps, 1) - 1
                 if rows > self.runner.max_len:
                     raise ServiceError(
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"sequence {item.ref.seq_id} has no room for a {tree.num_nodes}-node "
-                        f"tree and {max(item.steps, 1)} steps",
+                        f"sequence {seq_ids[i]} has no room for a {trees[i].num_nodes}-node "
+                        f"tree and {max(items[i].steps, 1)} steps",
                     )
-            if self.threads is not None:
-                self.threads.apply(len(items))
             start = time.perf_counter()
-            want_hidden = [item.return_hidden for item in items]
-            steps = [max(item.steps, 1) for item in items]
-            verified = self._verify_steps(seq_ids, trees, steps, want_hidden)
+            if fresh:
+                if self.threads is not None:
+                    self.threads.apply(len(fresh))
+                verified = self._verify_steps(
+                    [seq_ids[i] for i in fresh],
+                    [trees[i] for i in fresh],
+                    [max(items[i].steps, 1) for i in fresh],
+                )
+                for i, runs in zip(fresh, verified, strict=True):
+                    replays[i] = self._remember(items[i].ref, trees[i], runs)
             forward_seconds = time.perf_counter() - start
             hidden = [
-                torch.cat([v.hidden for v in runs]) if wanted else None
-                for wanted, runs in zip(want_hidden, verified, strict=True)
+                replays[i].hidden if item.return_hidden else None for i, item in enumerate(items)
             ]
             encoded = self.sender.encode(hidden, use_plane=request.use_data_plane)
         results = []
-        for seq_id, tree, runs, message in zip(seq_ids, trees, verified, encoded, strict=True):
-            first, last = runs[0], runs[-1]
-            results.append(
-                verifier_pb2.VerifyResult(
-                    ref=common_pb2.SeqRef(seq_id=seq_id, num_committed=last.num_committed),
-                    committed=[token for v in runs for token in v.committed],
-                    tokens=[token for v in runs for token in v.verdict.tokens],
-                    num_accepted=first.verdict.num_accepted,
-                    num_drafted_per_depth=first.verdict.num_drafted_per_depth,
-                    hidden=message,
-                    num_drafted=tree.num_drafted,
-                    num_steps=len(runs),
-                )
-            )
+        for i, message in enumerate(encoded):
+            result = verifier_pb2.VerifyResult()
+            result.CopyFrom(replays[i].result)
+            if message is not None:
+                result.hidden.CopyFrom(message)
+            results.append(result)
         return verifier_pb2.VerifyResponse(results=results, forward_seconds=forward_seconds)
+
+    def _replay(self, item: verifier_pb2.VerifyItem) -> LastStep | None:
+        """The last verification of the item's sequence when the item retries it (its ref is
+        the length before that verification, and nothing was committed since)."""
+        last = self._last.get(item.ref.seq_id)
+        if last is None or last.before != item.ref.num_committed:
+            return None
+        if self.runner.num_committed(item.ref.seq_id) != last.result.ref.num_committed:
+            return None
+        log.info("sequence %d: the step at %d is retried; answered again", *_ref(item))
+        return last
+
+    def _remember(self, ref: common_pb2.SeqRef, tree: TokenTree, runs: list[Verified]) -> LastStep:
+        """Keep a verification (its hidden rows too: a retry may ask for them) as the
+        sequence's last."""
+        first, last = runs[0], runs[-1]
+        result = verifier_pb2.VerifyResult(
+            ref=common_pb2.SeqRef(seq_id=ref.seq_id, num_committed=last.num_committed),
+            committed=[token for v in runs for token in v.committed],
+            tokens=[token for v in runs for token in v.verdict.tokens],
+            num_accepted=first.verdict.num_accepted,
+            num_drafted_per_depth=first.verdict.num_drafted_per_depth,
+            num_drafted=tree.num_drafted,
+            num_steps=len(runs),
+        )
+        rows = None
+        if all(v.hidden is not None for v in runs):  # a copy: not a view of the batch's rows
+            rows = torch.cat([v.hidden for v in runs]).clone()
+        self._last[ref.seq_id] = step = LastStep(ref.num_committed, result, rows)
+        return step
+
+    def _forget(self, seq_id: int) -> bool:
+        self._last.pop(seq_id, None)
+        return self.runner.release(seq_id)
 
     def _verify_steps(
         self,
         seq_ids: list[int],
         trees: list[TokenTree],
         steps: list[int],
-        want_hidden: list[bool],
     ) -> list[list[Verified]]:
         """Each sequence's verifications: its tree, then (``steps`` > 1) plain decode steps
-        rooted at the token before, as many forwards as the most steps asked for."""
+        rooted at the token before, as many forwards as the most steps asked for; with the
+        accepted paths' hidden rows always (a gather of rows the forward computed anyway), so
+        a retried step can have them."""
         runs: list[list[Verified]] = [[] for _ in seq_ids]
         active = list(range(len(seq_ids)))
         for step in range(max(steps)):
@@ -203,8 +253,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 step_trees = [TokenTree.root_only(self.runner.next_token(s)) for s in ids]
             start = time.perf_counter()
             rules_before = self.runner.rule_seconds
-            hidden = any(want_hidden[i] for i in active)
-            verified = self.runner.verify(ids, step_trees, return_hidden=hidden)
+            verified = self.runner.verify(ids, step_trees, return_hidden=True)
             self.metrics.rule_seconds.observe(self.runner.rule_seconds - rules_before)
             self._record_verify(step_trees, verified, time.perf_counter() - start)
             for i, v in zip(active, verified, strict=True):
@@ -222,7 +271,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     @rpc_errors
     def Release(self, request, context) -> common_pb2.ReleaseResponse:
         with self._lock:
-            released = sum(self.runner.release(seq_id) for seq_id in request.seq_ids)
+            released = sum(self._forget(seq_id) for seq_id in request.seq_ids)
             self.metrics.slots(self.runner.num_free_slots)
         return common_pb2.ReleaseResponse(num_released=released)
 
@@ -272,6 +321,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if item.steps > 1 and tree.num_nodes != 1:
             raise invalid(f"sequence {item.ref.seq_id}: several steps need a root-only tree")
         return tree
+
+
+def _ref(item: verifier_pb2.VerifyItem) -> tuple[int, int]:
+    return item.ref.seq_id, item.ref.num_committed
 
 
 def build_servicer(config: VerifierConfig, server_config: ServerConfig) -> VerifierServicer:

@@ -227,6 +227,7 @@ def test_configmap_is_valid_for_every_process() -> None:
         assert services[name]["spec"]["ports"][0]["port"] == server.port
         assert server.host == "0.0.0.0"
     assert drafter.method == "lyanna"
+    assert drafter.verifier == env["LYANNA_VERIFIER_ADDR"]  # each Step verifies through it
     assert (drafter.max_running, drafter.max_len) == (verifier.max_running, verifier.max_len)
     # a request at the advertised limits fits the KV with one tree on top (the verifier
     # reserves max_tree_nodes rows; the gateway refuses prompt + max_tokens beyond the rest)

@@ -47,7 +47,7 @@ def test_the_drafter_service_announces_quiet_steps_unless_told_to_draft_ngram(mo
     registry = dict(drafters.DRAFTERS)
     registry["learned"] = lambda model, budget, capacity: NgramDrafter(budget)  # a stand-in
     monkeypatch.setattr(drafters, "DRAFTERS", registry)
-    monkeypatch.setattr("services.drafter.server.DRAFTERS", registry)
+    monkeypatch.setattr("services.drafter.config.DRAFTERS", registry)
     model = make_tiny_model(2, vocab_size=16)
     budget = drafters.DraftBudget(2, 1, 2, cost=VerifyCost((1, 2), (1.0, 1.5)))
     env = {"LYANNA_DRAFTER_METHOD": "learned"}

@@ -18,7 +18,7 @@ import pytest
 from gateway.remote import RemoteConfig
 from lyanna.sampling import SamplingParams
 from services.launch import launch
-from services.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
+from services.pb import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from tests.services.remote_client import PROMPTS, plain_greedy, run_remote
 
 SLOW = ("--factory", "tests.services.tiny_drafters:slow_ngram", "--grace-seconds", "3")
@@ -38,20 +38,25 @@ def test_drafter_past_its_deadline_falls_back(tiny_model_dir, tiny_loaded) -> No
 def test_sigterm_drains_in_flight_calls(tiny_model_dir) -> None:
     env = {"LYANNA_TEST_PROPOSE_DELAY": "1.5"}
     with launch(tiny_model_dir, "ngram", drafter_args=SLOW, env=env) as deployment:
+        verifier = verifier_pb2_grpc.VerifierStub(grpc.insecure_channel(deployment.verifier_addr))
+        item = verifier_pb2.PrefillItem(seq_id=1, prompt_ids=[1, 2, 1])
+        item.params.max_tokens = 8
+        (first,) = verifier.Prefill(verifier_pb2.PrefillRequest(items=[item]), timeout=10).results
         stub = drafter_pb2_grpc.DrafterStub(grpc.insecure_channel(deployment.drafter_addr))
-        ref = common_pb2.SeqRef(seq_id=1, num_committed=3)
-        start = drafter_pb2.StartItem(ref=ref, prompt_ids=[1, 2, 1], first_token=2)
+        start = drafter_pb2.StartItem(
+            ref=first.ref, prompt_ids=[1, 2, 1], first_token=first.first_token
+        )
         stub.Start(drafter_pb2.StartRequest(items=[start]), timeout=10)
-        request = drafter_pb2.ProposeRequest(items=[drafter_pb2.ProposeItem(ref=ref)])
-        in_flight = stub.Propose.future(request, timeout=20)
+        step = drafter_pb2.StepItem(ref=first.ref, next_token=first.first_token, draft=True)
+        in_flight = stub.Step.future(drafter_pb2.StepRequest(items=[step]), timeout=20)
         time.sleep(0.5)
         process = deployment.children["drafter"].process
         process.send_signal(signal.SIGTERM)
         time.sleep(0.8)  # the handler polls every 0.5 s
         with pytest.raises(grpc.RpcError):
             stub.Info(drafter_pb2.InfoRequest(), timeout=2)
-        answer = in_flight.result()
-        assert list(answer.proposals[0].tree.tokens)[0] == 2
+        answer = in_flight.result()  # drafted, verified through the verifier, answered
+        assert list(answer.results[0].verified.committed)[0] == first.first_token
         assert process.wait(15) == 0
 
 

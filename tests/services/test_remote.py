@@ -153,8 +153,8 @@ def test_plain_steps_share_a_verify_call_and_stay_exact(ngram_services, tiny_loa
 
 def test_quiet_steps_skip_the_drafter_and_share_verify_calls(tiny_model_dir, tiny_loaded) -> None:
     """A gated drafter that drafts only its probes: the steps it announces as quiet cost no
-    Propose and ride together in Verify calls, the output stays plain greedy decoding, and
-    the drafter stays in step (no fallback, no restart)."""
+    drafter call and ride together in direct Verify calls, the output stays plain greedy
+    decoding, and the drafter stays in step (no fallback, no restart)."""
     flags = (*BUDGET_FLAGS, "--factory", "tests.services.tiny_drafters:gated_lyanna")
     max_tokens = 60
     with launch(tiny_model_dir, "lyanna", drafter_args=flags) as deployment:
@@ -165,7 +165,7 @@ def test_quiet_steps_skip_the_drafter_and_share_verify_calls(tiny_model_dir, tin
     assert not any(s.drafter_fallback for s in steps)
     assert any(s.num_drafted for s in steps)  # its probes
     assert backend.drafter.num_starts == len(PROMPTS)
-    assert backend.drafter.num_propose_calls * 3 < len(steps)
+    assert backend.drafter.num_step_calls * 3 < len(steps)
     assert backend.num_verify_calls * 2 < len(steps)
 
 
@@ -307,10 +307,10 @@ def test_stale_and_unknown_sequences_get_clear_status(ngram_services) -> None:
             timeout=10,
         )
 
-    def propose(seq, committed):
+    def step(seq, committed):
         ref = common_pb2.SeqRef(seq_id=seq, num_committed=committed)
-        items = [drafter_pb2.ProposeItem(ref=ref)]
-        return drafter.Propose(drafter_pb2.ProposeRequest(items=items), timeout=10)
+        items = [drafter_pb2.StepItem(ref=ref, next_token=first_token, draft=True)]
+        return drafter.Step(drafter_pb2.StepRequest(items=items), timeout=10)
 
     try:
         with pytest.raises(grpc.RpcError) as stale:
@@ -322,14 +322,18 @@ def test_stale_and_unknown_sequences_get_clear_status(ngram_services) -> None:
         assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
         assert "unknown sequence" in unknown.value.details()
         with pytest.raises(grpc.RpcError) as stale:
-            propose(seq_id, 2)
+            step(seq_id, 2)
         assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         with pytest.raises(grpc.RpcError) as unknown:
-            propose(seq_id + 1, 0)
+            step(seq_id + 1, 0)
         assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
-        assert verify(seq_id, len(prompt)).results[0].ref.num_committed == len(prompt) + 1
+        (stepped,) = step(seq_id, len(prompt)).results  # drafted and verified in one call
+        after = stepped.verified.ref.num_committed
+        assert after == len(prompt) + len(stepped.verified.committed)
+        # a retry of that step straight to the verifier (its relay died): the same result
+        assert verify(seq_id, len(prompt)).results[0] == stepped.verified
         bad = common_pb2.TokenTree(tokens=[first_token, 99], parents=[-1, 0], scheme=4)
-        ref = common_pb2.SeqRef(seq_id=seq_id, num_committed=len(prompt) + 1)
+        ref = common_pb2.SeqRef(seq_id=seq_id, num_committed=after)
         with pytest.raises(grpc.RpcError) as invalid:
             request = verifier_pb2.VerifyRequest(items=[verifier_pb2.VerifyItem(ref=ref, tree=bad)])
             verifier.Verify(request, timeout=10)

@@ -1,6 +1,7 @@
-"""The servicers called in-process (no sockets): the verifier fuses a re-sampled subtree sent
-apart from the fresh tree under the budget, refuses duplicate sequences in one call, and the
-drafter refuses a Propose whose hidden states have the wrong shape."""
+"""The servicers called in-process (no sockets): the verifier keeps no slot and runs no forward
+for a caller that is gone, refuses duplicate sequences in one call and runs several plain
+steps in one call like one call each; the drafter's data-plane references are checked before
+anything is received (its Step: ``test_step.py``)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,9 @@ import grpc
 import pytest
 import torch
 
-from lyanna.drafters import DraftBudget
-from lyanna.drafters.gate import DraftGate, GateConfig, GatedDrafter
 from lyanna.drafters.ngram import NgramDrafter
 from lyanna.target import TargetConfig, TargetRunner
 from lyanna.tree import TokenTree
-from lyanna.tree_cost import VerifyCost
 from services import codec
 from services.codec import WireError
 from services.data_plane import sign_ref
@@ -22,7 +20,6 @@ from services.hidden import HiddenReceiver, HiddenSender
 from services.pb import common_pb2, drafter_pb2, verifier_pb2
 from services.verifier.server import VerifierConfig, VerifierServicer
 from tests.conftest import make_tiny_model
-from tests.services.tiny_drafters import tiny_lyanna
 
 
 class Aborted(Exception):
@@ -35,6 +32,9 @@ class FakeContext:
 
     def is_active(self) -> bool:
         return self.active
+
+    def time_remaining(self) -> float | None:
+        return None  # no deadline
 
     def abort(self, code: grpc.StatusCode, details: str):
         raise Aborted(code, details)
@@ -110,26 +110,6 @@ def test_verifier_refuses_duplicates_and_room_overflow() -> None:
     assert servicer.runner.num_free_slots == 1
 
 
-def test_drafter_checks_hidden_shapes_and_refs() -> None:
-    model = make_tiny_model(2, vocab_size=16)
-    budget = DraftBudget(4, 2, 6)
-    receiver = HiddenReceiver(model.config.hidden_size, torch.float32)
-    servicer = DrafterServicer(tiny_lyanna(model, budget), DrafterConfig(), receiver, 16)
-    start = drafter_pb2.StartItem(
-        ref=common_pb2.SeqRef(seq_id=5, num_committed=3), prompt_ids=[1, 2, 3], first_token=4
-    )
-    start.prompt_hidden.tensor.CopyFrom(codec.encode_tensor(torch.zeros(2, 32)))
-    with pytest.raises(Aborted) as error:
-        servicer.Start(drafter_pb2.StartRequest(items=[start]), FakeContext())
-    assert error.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT
-    assert "[3, 32]" in error.value.args[1]
-    start.prompt_hidden.tensor.CopyFrom(codec.encode_tensor(torch.zeros(3, 32)))
-    servicer.Start(drafter_pb2.StartRequest(items=[start]), FakeContext())
-    item = drafter_pb2.ProposeItem(ref=common_pb2.SeqRef(seq_id=5, num_committed=3))
-    proposal = servicer.Propose(drafter_pb2.ProposeRequest(items=[item]), FakeContext())
-    assert proposal.proposals[0].tree.tokens[0] == 4
-
-
 def test_drafter_without_hidden_ignores_them() -> None:
     receiver = HiddenReceiver(32, torch.float32)
     config = DrafterConfig(method="ngram", depth=4, top_k=2, max_draft_tokens=6)
@@ -140,28 +120,6 @@ def test_drafter_without_hidden_ignores_them() -> None:
     servicer.Start(drafter_pb2.StartRequest(items=[start]), FakeContext())
     info = servicer.Info(drafter_pb2.InfoRequest(), FakeContext())
     assert info.method == "ngram" and not info.needs_hidden and info.max_draft_tokens == 6
-
-
-def test_drafter_drafts_nothing_for_a_caller_that_is_gone() -> None:
-    """A Propose that waited past its deadline drafts nothing and forgets the sequence (the
-    gateway starts it again), instead of spending a draft step on no one."""
-    config = DrafterConfig(method="ngram", depth=4, top_k=2, max_draft_tokens=6)
-    servicer = DrafterServicer(
-        NgramDrafter(config.shape()), config, HiddenReceiver(32, torch.float32), 16
-    )
-    start = drafter_pb2.StartItem(
-        ref=common_pb2.SeqRef(seq_id=5, num_committed=2), prompt_ids=[1, 2], first_token=1
-    )
-    servicer.Start(drafter_pb2.StartRequest(items=[start]), FakeContext())
-    request = drafter_pb2.ProposeRequest(
-        items=[drafter_pb2.ProposeItem(ref=common_pb2.SeqRef(seq_id=5, num_committed=2))]
-    )
-    with pytest.raises(Aborted) as aborted:
-        servicer.Propose(request, FakeContext(active=False))
-    assert aborted.value.args[0] == grpc.StatusCode.CANCELLED
-    with pytest.raises(Aborted) as missing:
-        servicer.Propose(request, FakeContext())
-    assert missing.value.args[0] == grpc.StatusCode.NOT_FOUND
 
 
 class RecordingPlane:
@@ -210,76 +168,6 @@ def test_stale_or_forged_plane_references_are_refused_before_receiving() -> None
             receiver.decode(ref(stale_or_forged), 2)
     receiver.decode(ref(3), 2)  # a lane ahead of the other: within the window
     assert plane.received == [1, 3]
-
-
-def test_discard_receives_an_unread_transfer_once_and_skips_received_ones() -> None:
-    plane = RecordingPlane()
-    receiver = HiddenReceiver(8, torch.float32, plane)
-
-    def signed(transfer_id: int, num_rows: int, total_rows: int) -> common_pb2.PlaneRef:
-        mac = plane.sign(transfer_id, total_rows)
-        return common_pb2.PlaneRef(
-            transfer_id=transfer_id, num_rows=num_rows, total_rows=total_rows, mac=mac
-        )
-
-    ref = signed(1, 2, 4)
-    receiver.decode(common_pb2.HiddenStates(plane=ref), 2)
-    receiver.end_batch()
-    receiver.discard(ref)  # already received (a Propose read it before its caller gave up)
-    receiver.discard(signed(2, 1, 1))
-    receiver.end_batch()
-    assert plane.received == [1, 2]
-    with pytest.raises(WireError, match="not expected"):  # far ahead: still refused
-        receiver.discard(signed(10_000, 1, 1))
-    with pytest.raises(WireError, match="not signed"):  # forged
-        receiver.discard(common_pb2.PlaneRef(transfer_id=3, num_rows=1, total_rows=1))
-
-
-def test_drafter_announces_quiet_steps_applies_them_in_order_and_refuses_bad_ones() -> None:
-    """A gated-off sequence's proposal says how many steps it will not draft; the caller's
-    quiet verifications are applied before ``verified`` (the drafter's committed count moves
-    by all of them), and malformed ones are refused with nothing applied."""
-    never_pays = VerifyCost((1, 2), (1.0, 3.0))
-    config = DrafterConfig(method="ngram", depth=4, top_k=2, max_draft_tokens=6)
-    drafter = GatedDrafter(NgramDrafter(config.shape()), DraftGate(never_pays, GateConfig()))
-    servicer = DrafterServicer(drafter, config, HiddenReceiver(32, torch.float32), 16)
-    start = drafter_pb2.StartItem(
-        ref=common_pb2.SeqRef(seq_id=5, num_committed=2), prompt_ids=[1, 2], first_token=3
-    )
-    servicer.Start(drafter_pb2.StartRequest(items=[start]), FakeContext())
-
-    def propose(num_committed: int, quiet: list[list[int]], verified: list[int] | None, nxt: int):
-        item = drafter_pb2.ProposeItem(ref=common_pb2.SeqRef(seq_id=5, num_committed=num_committed))
-        for committed in quiet:
-            item.quiet.append(drafter_pb2.VerifiedStep(committed=committed, next_token=1))
-        if verified is not None:
-            item.verified.CopyFrom(
-                drafter_pb2.VerifiedStep(
-                    committed=verified, next_token=nxt, num_accepted=len(verified) - 1
-                )
-            )
-        request = drafter_pb2.ProposeRequest(items=[item])
-        (proposal,) = servicer.Propose(request, FakeContext()).proposals
-        return proposal
-
-    first = propose(2, [], None, 0)
-    assert list(first.tree.tokens) == [3]  # gated off: a root-only tree
-    quiet = first.quiet_steps
-    assert quiet == GateConfig().probe_after - 1
-    for bad in (
-        ([[3]], None),  # quiet steps without the step after them
-        ([[3, 1]], [1]),  # a quiet step is root-only
-        ([[3]] * 65, [1]),  # more than the bound
-    ):
-        with pytest.raises(Aborted) as error:
-            propose(2, *bad, 4)
-        assert error.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT
-    quiet_tokens = [[3], *([1] * 1 for _ in range(quiet - 1))]
-    probe = propose(2, quiet_tokens, [1], 4)  # all quiet steps, then the last one
-    assert probe.ref.num_committed == 2 + quiet + 1
-    assert probe.tree.tokens[0] == 4
-    assert drafter.num_gated_steps == quiet + 1
-    assert drafter.gate.drafting(5)  # the probe is due now: it drafts
 
 
 def verify_item(seq_id: int, num_committed: int, root: int, **fields) -> verifier_pb2.VerifyItem:

@@ -124,7 +124,7 @@ def test_mutual_tls_serves_the_gateway_and_refuses_everyone_else(
         outcomes, _ = run_remote(config, PROMPTS, params)
         assert [o.tokens for o in outcomes] == plain_greedy(tiny_loaded, PROMPTS, 12)
         steps = [s for o in outcomes for s in o.steps]
-        assert not any(s.drafter_fallback for s in steps)  # the drafter link used TLS too
+        assert not any(s.drafter_fallback for s in steps)  # gateway -> drafter -> verifier: TLS
 
         strangers = {
             "plaintext": None,

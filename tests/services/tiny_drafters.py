@@ -1,6 +1,7 @@
 """Drafter factories for the service tests (``--factory tests.services.tiny_drafters:NAME``):
-model-based drafters with seeded random weights sized for the tiny test model, and a slow
-drafter for deadline and draining tests."""
+model-based drafters with seeded random weights sized for the tiny test model, a slow
+drafter for deadline and draining tests, and one that dies between the verifier's answer and
+its own."""
 
 from __future__ import annotations
 
@@ -60,3 +61,24 @@ def gated_lyanna(
     three steps): it drafts only its probes, and announces the quiet steps in between."""
     never_pays = VerifyCost((1, 2), (1.0, 3.0))
     return GatedDrafter(tiny_lyanna(model, budget, capacity), DraftGate(never_pays, GateConfig()))
+
+
+class DyingDrafter(SlowDrafter):
+    """Delegates to a drafter, but the process dies while learning its ``die_at``-th
+    verification that accepted a draft token: after the verifier committed the step, before
+    the drafter answered the gateway."""
+
+    def __init__(self, inner: Drafter, die_at: int) -> None:
+        super().__init__(inner, 0.0)
+        self.die_at, self.accepted_steps = die_at, 0
+
+    def on_verified(self, steps: list[VerifiedStep]) -> dict[int, int]:
+        self.accepted_steps += sum(step.num_accepted > 0 for step in steps)
+        if self.accepted_steps >= self.die_at:
+            os._exit(3)
+        return self.inner.on_verified(steps)
+
+
+def dying_ngram(model: Transformer, budget: DraftBudget, capacity: DraftCapacity) -> DyingDrafter:
+    """An n-gram drafter that dies at its ``$LYANNA_TEST_DIE_AT``-th accepting verification."""
+    return DyingDrafter(NgramDrafter(budget), int(os.environ["LYANNA_TEST_DIE_AT"]))
