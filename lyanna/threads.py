@@ -81,8 +81,11 @@ class StepThreads:
         return self.large if running >= self.from_batch else self.small
 
     def apply(self, running: int) -> int:
+        """Set the calling thread's count for a step of ``running`` sequences. torch keeps it
+        per OS thread once a thread has run a parallel op (a gRPC server's worker threads
+        each hold their own), so it is compared with the caller's, not with the last set."""
         threads = self.for_batch(running)
-        if threads != self.current:
+        if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
-            self.current = threads
+        self.current = threads
         return threads

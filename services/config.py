@@ -34,8 +34,7 @@ class ServerConfig:
     grace_seconds: float = 10.0  # SIGTERM: in-flight calls get this long to finish
     workers: int = 8  # gRPC handler threads (model work is serialized by a lock)
     max_concurrent_rpcs: int = 64  # beyond this, calls are shed with RESOURCE_EXHAUSTED
-    # 0 = the CPUs less one for the gRPC threads (the verifier: every CPU from 4 sequences a
-    # call, lyanna.threads.StepThreads)
+    # 0 = the CPUs less one, for the gRPC threads and the processes working beside this one
     torch_threads: int = 0
     # torch.distributed data plane for hidden states: "grpc" (inline, no data plane), "gloo"
     # (CPU) or "nccl" (GPU); the verifier is rank 0, the drafter rank 1.

@@ -29,7 +29,7 @@ from lyanna.model.device import parse_dtype, parse_placement
 from lyanna.model.loader import WEIGHT_FORMATS
 from lyanna.sampling import SamplingParams
 from lyanna.target import TargetConfig, TargetRunner, Verified
-from lyanna.threads import StepThreads
+from lyanna.threads import StepThreads, serving_threads
 from lyanna.tree import TokenTree
 from services import codec
 from services.config import ServerConfig, parse_configs
@@ -348,8 +348,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s verifier %(message)s")
     exit_with_parent()
-    threads = StepThreads.serving(server_config.torch_threads)
-    threads.apply(1)  # the small batch's count while the model loads and is measured
+    # the CPUs less one at every batch size: the drafter and the gateway work while the
+    # verifier does (the pipeline's other lane, the token streams), and a team that takes
+    # every core then stalls at its barriers (on 2 cores, 2 threads at 16 sequences: 355-359
+    # tokens/s against 422-433 on one; docs/benchmarks.md)
+    count = serving_threads(server_config.torch_threads)
+    threads = StepThreads(count, count)
+    threads.apply(1)  # set before the model loads and is measured
     servicer = build_servicer(config, server_config)
     servicer.threads = threads
 

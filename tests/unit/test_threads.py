@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from lyanna import threads
@@ -48,10 +50,25 @@ def test_step_threads_take_every_core_for_large_batches_and_tell_torch_once(monk
     monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: set(range(4)))
     monkeypatch.setattr(threads, "cpu_quota", lambda cgroup=None: None)
     calls = []
-    monkeypatch.setattr(threads.torch, "set_num_threads", calls.append)
+    counts: dict[int, int] = {}  # torch's count per OS thread (1 until set there)
+
+    def set_num_threads(n: int) -> None:
+        calls.append(n)
+        counts[threading.get_ident()] = n
+
+    monkeypatch.setattr(threads.torch, "set_num_threads", set_num_threads)
+    monkeypatch.setattr(
+        threads.torch, "get_num_threads", lambda: counts.get(threading.get_ident(), 1)
+    )
     policy = threads.StepThreads.serving()
     assert (policy.small, policy.large) == (3, 4)
     assert [policy.apply(n) for n in (1, 2, 4, 16, 3)] == [3, 3, 4, 4, 3]
     assert calls == [3, 4, 3]  # only when the count changes
+    policy.apply(16)
+    # a server's other worker thread has its own count: the same large batch sets it there
+    other = threading.Thread(target=policy.apply, args=(16,))
+    other.start()
+    other.join()
+    assert calls == [3, 4, 3, 4, 4]
     fixed = threads.StepThreads.serving(requested=2)
     assert {fixed.for_batch(n) for n in (1, 4, 16)} == {2}
