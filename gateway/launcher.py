@@ -120,7 +120,9 @@ def _serve_services(args: argparse.Namespace, config: GatewayConfig) -> None:
     target = ("--weights", args.weights, "--device", args.device, "--dtype", args.dtype)
     # the verifier gets the compute threads (--threads, or by its batch size); the drafter
     # (mostly small steps) one
-    verifier_args = (*capacity, *target, "--torch-threads", str(args.threads))
+    # (only when set: the verifier's default, or LYANNA_VERIFIER_TORCH_THREADS, applies else)
+    threads = ("--torch-threads", str(args.threads)) if args.threads else ()
+    verifier_args = (*capacity, *target, *threads)
     drafter_args = (*capacity, *target, "--tree", args.tree)
     for method in dict.fromkeys((args.method, *FALLBACK_METHODS)):
         try:
