@@ -19,7 +19,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 import torch
@@ -38,6 +41,8 @@ from services.hidden import HiddenSender
 from services.metrics import VerifierMetrics, serve_metrics
 from services.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
 from services.server import ServiceError, exit_with_parent, invalid, out_of_step, rpc_errors, serve
+
+T = TypeVar("T")
 
 MAX_STEPS = 64  # plain decode steps one Verify item may ask for
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
@@ -95,6 +100,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.metrics = VerifierMetrics(config.max_running)
         self._last: dict[int, LastStep] = {}  # seq id -> its last verification
         self._lock = threading.Lock()
+        # every model call on one thread: torch's OpenMP team belongs to the thread that runs
+        # a parallel op, so forwards spread over gRPC's workers each made a team of their own,
+        # and with more threads than CPUs libgomp stops spinning at barriers and sleeps
+        self._compute_thread = ThreadPoolExecutor(1, thread_name_prefix="verifier-compute")
 
     @rpc_errors
     def Prefill(
@@ -106,7 +115,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         start = time.perf_counter()
         done: list[int] = []
         hidden: list[torch.Tensor | None] = []
-        with self._lock:
+
+        def work() -> list[verifier_pb2.PrefillResult]:
             try:
                 for item, item_params in zip(items, params, strict=True):
                     resume = item.next_token if item.HasField("next_token") else None
@@ -134,7 +144,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     grpc.StatusCode.CANCELLED, "the caller is gone; its sequences were released"
                 )
             encoded = self.sender.encode(hidden)
-            results = [
+            return [
                 verifier_pb2.PrefillResult(
                     ref=common_pb2.SeqRef(seq_id=item.seq_id, num_committed=len(item.prompt_ids)),
                     first_token=self.runner.next_token(item.seq_id),
@@ -142,6 +152,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 )
                 for item, message in zip(items, encoded, strict=True)
             ]
+
+        results = self._compute(work)
         seconds = time.perf_counter() - start
         self.metrics.forward_seconds.labels("prefill").observe(seconds)
         self.metrics.prefill_tokens.inc(sum(len(item.prompt_ids) for item in items))
@@ -156,7 +168,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if len(set(seq_ids)) != len(seq_ids):
             raise invalid("a sequence may appear once per Verify call")
         trees = [self._tree_of(item) for item in items]
-        with self._lock:
+
+        def work() -> tuple[dict[int, LastStep], list, float]:
             if not context.is_active():  # waited past the caller's deadline: verify nothing,
                 # so the verifier commits no token the gateway never learns of
                 raise ServiceError(
@@ -189,6 +202,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 replays[i].hidden if item.return_hidden else None for i, item in enumerate(items)
             ]
             encoded = self.sender.encode(hidden, use_plane=request.use_data_plane)
+            return replays, encoded, forward_seconds
+
+        replays, encoded, forward_seconds = self._compute(work)
         results = []
         for i, message in enumerate(encoded):
             result = verifier_pb2.VerifyResult()
@@ -270,10 +286,23 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     @rpc_errors
     def Release(self, request, context) -> common_pb2.ReleaseResponse:
-        with self._lock:
+
+        def work() -> int:
             released = sum(self._forget(seq_id) for seq_id in request.seq_ids)
             self.metrics.slots(self.runner.num_free_slots)
-        return common_pb2.ReleaseResponse(num_released=released)
+            return released
+
+        return common_pb2.ReleaseResponse(num_released=self._compute(work))
+
+    def _compute(self, work: Callable[[], T]) -> T:
+        """``work`` under the model lock on the one compute thread (its exceptions raised
+        here)."""
+
+        def locked() -> T:
+            with self._lock:
+                return work()
+
+        return self._compute_thread.submit(locked).result()
 
     @rpc_errors
     def Capacity(self, request, context) -> verifier_pb2.CapacityResponse:

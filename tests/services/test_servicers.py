@@ -239,3 +239,45 @@ def test_several_steps_are_refused_for_a_drafted_tree_or_past_the_kv() -> None:
         .ref.num_committed
         == 128
     )
+
+
+def test_every_model_call_runs_on_one_thread_whatever_thread_the_rpc_arrives_on() -> None:
+    """torch's OpenMP team belongs to the thread that runs a parallel op: forwards spread
+    over gRPC's worker threads made a team each (and libgomp, with more threads than CPUs,
+    slept at every barrier). Prefill, Verify and Release from different threads all reach
+    the model on one compute thread."""
+    import threading
+
+    servicer = verifier()
+    seen: set[int] = set()
+    runner = servicer.runner
+    for name in ("prefill", "verify", "release"):
+        original = getattr(runner, name)
+
+        def recorded(*args, _original=original, **kwargs):
+            seen.add(threading.get_ident())
+            return _original(*args, **kwargs)
+
+        setattr(runner, name, recorded)
+
+    def rpc_on_a_new_thread(call) -> None:
+        failures: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                call()
+            except BaseException as error:  # reported below, in the test's thread
+                failures.append(error)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        assert not failures, failures
+
+    roots: list[int] = []
+    rpc_on_a_new_thread(lambda: roots.append(prefill(servicer, 1, [1, 2, 3])))
+    request = verifier_pb2.VerifyRequest(items=[verify_item(1, 3, roots[0])])
+    rpc_on_a_new_thread(lambda: servicer.Verify(request, FakeContext()))
+    release = common_pb2.ReleaseRequest(seq_ids=[1])
+    rpc_on_a_new_thread(lambda: servicer.Release(release, FakeContext()))
+    assert len(seen) == 1 and threading.get_ident() not in seen
