@@ -90,6 +90,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         sender: HiddenSender,
         model_name: str = "",
         threads: StepThreads | None = None,
+        compute: ThreadPoolExecutor | None = None,
     ) -> None:
         self.runner = runner
         self.config = config
@@ -100,10 +101,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.metrics = VerifierMetrics(config.max_running)
         self._last: dict[int, LastStep] = {}  # seq id -> its last verification
         self._lock = threading.Lock()
-        # every model call on one thread: torch's OpenMP team belongs to the thread that runs
-        # a parallel op, so forwards spread over gRPC's workers each made a team of their own,
-        # and with more threads than CPUs libgomp stops spinning at barriers and sleeps
-        self._compute_thread = ThreadPoolExecutor(1, thread_name_prefix="verifier-compute")
+        # every model call on one thread (``compute``: the one that loaded the model): torch's
+        # OpenMP team belongs to the thread that runs a parallel op, so forwards spread over
+        # gRPC's workers each made a team of their own, and with more team threads than CPUs
+        # libgomp stops spinning at barriers and sleeps (a 2-thread forward took 8.9 ms
+        # against 4.4 on one thread)
+        self._compute_thread = compute or ThreadPoolExecutor(1, thread_name_prefix="compute")
 
     @rpc_errors
     def Prefill(
@@ -356,7 +359,11 @@ def _ref(item: verifier_pb2.VerifyItem) -> tuple[int, int]:
     return item.ref.seq_id, item.ref.num_committed
 
 
-def build_servicer(config: VerifierConfig, server_config: ServerConfig) -> VerifierServicer:
+def build_servicer(
+    config: VerifierConfig,
+    server_config: ServerConfig,
+    compute: ThreadPoolExecutor | None = None,
+) -> VerifierServicer:
     from lyanna.model import fetch_default_model
 
     path = config.model or str(fetch_default_model())
@@ -368,7 +375,7 @@ def build_servicer(config: VerifierConfig, server_config: ServerConfig) -> Verif
             server_config.plane, server_config.plane_addr, 0, server_config.plane_timeout
         )
         plane.connect_in_background()
-    return VerifierServicer(runner, config, HiddenSender(plane), model_name=path)
+    return VerifierServicer(runner, config, HiddenSender(plane), model_name=path, compute=compute)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -383,8 +390,13 @@ def main(argv: list[str] | None = None) -> int:
     # tokens/s against 422-433 on one; docs/benchmarks.md)
     count = serving_threads(server_config.torch_threads)
     threads = StepThreads(count, count)
-    threads.apply(1)  # set before the model loads and is measured
-    servicer = build_servicer(config, server_config)
+    compute = ThreadPoolExecutor(1, thread_name_prefix="verifier-compute")
+
+    def build() -> VerifierServicer:  # on the compute thread: one OpenMP team in the process
+        threads.apply(1)  # set before the model loads and is measured
+        return build_servicer(config, server_config, compute)
+
+    servicer = compute.submit(build).result()
     servicer.threads = threads
 
     def add(server: grpc.Server) -> None:
