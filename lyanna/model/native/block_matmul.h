@@ -188,11 +188,7 @@ template <int R, class Rows, class BlockDots>
 template <int Bits, int R>
 inline void tile_rows(const uint8_t* codes, const c10::Half* scales, const QuantizedRows& xq,
                       int64_t r0, int64_t K, float* y, int64_t N, int64_t tile) {
-#ifdef LYANNA_ONE_CHAIN
-  constexpr int kSplit = 1;
-#else
   constexpr int kSplit = Bits == 4 && R <= 4 ? 2 : 1;  // (8-bit pairs: twice slower, measured)
-#endif
   tile_loop<R>(scales, xq, r0, K, y, N, tile, [&](int64_t g, __m512i (&dots)[R]) {
     prefetch_ahead<Bits>(codes, scales, g);
     __m512i odd[R];

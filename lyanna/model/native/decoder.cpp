@@ -185,9 +185,8 @@ inline void tree_columns(const Rows& rows, int64_t b, int64_t r, std::vector<int
     if (seen[k]) cols.push_back(rows.lengths[b] + k);
 }
 
-// One query's attention over the rows it sees (the first L of its slot, then `tree`), given
-// scores [L + tree.size()] of which the first `done` are already computed; the output row is
-// acc (the values of the first `done_values` rows, already summed) continued, times 1 / sum.
+// One query's attention over the rows it sees (the first L of its slot, then `tree`) into
+// dst; scores: scratch of at least L + tree.size() floats, cols: scratch.
 template <class KV>
 void finish_query(const float* query, const KV* keys, const KV* values, int64_t L,
                   const std::vector<int64_t>& tree, int64_t hd, float scale, float* scores,
@@ -240,10 +239,11 @@ template <int C, int NQ, class KV>
 void grouped_block(const float* const* query, float* const* dst, const KV* keys,
                    const KV* values, int64_t L, const std::vector<int64_t>* const* tree,
                    float scale, std::vector<float>& scratch) {
-  const int64_t width = L + kLanes + 64;  // + room for the block's tail and any tree
   int64_t longest = 0;
   for (int i = 0; i < NQ; ++i) longest = std::max<int64_t>(longest, tree[i]->size());
-  const int64_t stride = width + longest;
+  // each query's scores: its L cached rows (block_scores writes up to kLanes - 1 past them),
+  // then its tree rows
+  const int64_t stride = L + std::max<int64_t>(kLanes, longest);
   scratch.resize(NQ * (stride + kLanes * kLanes + C * kLanes));
   float* scores[NQ];
   float* acc[NQ];

@@ -47,6 +47,16 @@ inline v16 load16(const c10::Half* p) {
 #endif
 }
 
+// The 16 lanes' sum by a pairwise tree: lanes i + (i + 8), then i + (i + 4), i + (i + 2),
+// i + (i + 1).
+inline float tree_sum(v16 acc) {
+  acc += __builtin_shuffle(acc, v16i{8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15});
+  acc += __builtin_shuffle(acc, v16i{4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7});
+  acc += __builtin_shuffle(acc, v16i{2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3});
+  acc += __builtin_shuffle(acc, v16i{1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1});
+  return acc[0];
+}
+
 // Sum of a[i] * b[i] in a fixed order: 16 interleaved partial sums, a pairwise tree over them,
 // then any tail in sequence.
 template <class B>
@@ -54,11 +64,7 @@ inline float dot(const float* a, const B* b, int64_t n) {
   v16 acc = {0};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) acc += load16(a + i) * load16(b + i);
-  acc += __builtin_shuffle(acc, v16i{8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15});
-  acc += __builtin_shuffle(acc, v16i{4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7});
-  acc += __builtin_shuffle(acc, v16i{2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3});
-  acc += __builtin_shuffle(acc, v16i{1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1});
-  float sum = acc[0];
+  float sum = tree_sum(acc);
   for (; i < n; ++i) sum += a[i] * static_cast<float>(b[i]);
   return sum;
 }
@@ -96,11 +102,7 @@ void fixed_scores_generic(const float* query, const KV* keys, const int64_t* col
     const KV* key = keys + cols[k] * C * kLanes;
     v16 acc = q[0] * load16(key);
     for (int c = 1; c < C; ++c) acc += q[c] * load16(key + c * kLanes);
-    acc += __builtin_shuffle(acc, v16i{8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15});
-    acc += __builtin_shuffle(acc, v16i{4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7});
-    acc += __builtin_shuffle(acc, v16i{2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3});
-    acc += __builtin_shuffle(acc, v16i{1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1});
-    scores[k] = acc[0] * scale;
+    scores[k] = tree_sum(acc) * scale;
   }
 }
 
@@ -199,7 +201,7 @@ void fixed_values(const KV* values, const int64_t* cols, const float* weights, i
 
 // Softmax weights in place over scores[0, count): exp(score - max), and 1 / their sum. The
 // sum runs in 16 lanes (score k in lane k mod 16, in ascending order), then the pairwise tree
-// of ``dot``: one sequential sum was a chain of dependent additions, as long as the context.
+// (``tree_sum``): one sequential sum was a chain of dependent additions, as long as the context.
 inline float softmax_weights(float* scores, int64_t count) {
   if (count == 0) return 0.f;
   float top = -std::numeric_limits<float>::infinity();
@@ -209,11 +211,7 @@ inline float softmax_weights(float* scores, int64_t count) {
   int64_t k = 0;
   for (; k + kLanes <= count; k += kLanes) acc += load16(scores + k);
   for (int64_t i = 0; k + i < count; ++i) acc[i] += scores[k + i];
-  acc += __builtin_shuffle(acc, v16i{8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15});
-  acc += __builtin_shuffle(acc, v16i{4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7});
-  acc += __builtin_shuffle(acc, v16i{2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3});
-  acc += __builtin_shuffle(acc, v16i{1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1});
-  return 1.f / acc[0];
+  return 1.f / tree_sum(acc);
 }
 
 #if defined(__AVX512F__) && !defined(LYANNA_GENERIC_ATTENTION)
@@ -230,7 +228,7 @@ inline __m512 load_row(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// out[j] = scale * (the pairwise tree of partial[j]'s 16 lanes) for 16 keys j: the lanes i +
+// out[j] = scale * tree_sum(partial[j]) for 16 keys j: the lanes i +
 // (i + 8), i + (i + 4), i + (i + 2), i + (i + 1) of every key at once by shuffles (float
 // addition commutes exactly), then the keys back in order.
 inline void reduce16(const float* partial, float scale, float* out) {
