@@ -217,7 +217,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         """Hand each drafted sequence its verification (the caller gets inline hidden rows
         where it asked); returns the re-sampled accepted counts and whether rows came over the
         data plane. A sequence released or restarted meanwhile is left alone."""
-        resampled: dict[int, int] = {}
+        steps: list[VerifiedStep] = []
         used_plane = any(r.hidden.WhichOneof("payload") == "plane" for r in results)
         with self._lock:
             try:
@@ -235,16 +235,19 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     held = self._committed.get(seq_id) == item.ref.num_committed
                     if not item.draft or not held or self._starts.get(seq_id) != starts[seq_id]:
                         continue
-                    step = VerifiedStep(
-                        seq_id=seq_id,
-                        committed=list(result.committed),
-                        hidden=rows if needed else None,
-                        next_token=result.tokens[-1],
-                        num_accepted=result.num_accepted,
-                        num_committed=result.ref.num_committed,
+                    steps.append(
+                        VerifiedStep(
+                            seq_id=seq_id,
+                            committed=list(result.committed),
+                            hidden=rows if needed else None,
+                            next_token=result.tokens[-1],
+                            num_accepted=result.num_accepted,
+                            num_committed=result.ref.num_committed,
+                        )
                     )
-                    resampled[seq_id] = self.drafter.on_verified([step]).get(seq_id, 0)
-                    self._committed[seq_id] = result.ref.num_committed
+                resampled = self.drafter.on_verified(steps) if steps else {}  # one batched call
+                for step in steps:
+                    self._committed[step.seq_id] = step.num_committed
             except Exception as error:  # committed on the verifier: the caller retries there
                 self._drop_all([item.ref.seq_id for item in items if item.draft])
                 log.exception("learning a verified step failed")
@@ -299,14 +302,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             num_committed=held + len(committed),
         )
 
-    def _learn(self, steps: list[VerifiedStep]) -> int:
-        """Feed a sequence's verifications to the drafter in order; returns how many accepted
-        tokens of the last one only a re-sampled subtree had proposed (drafters without
-        re-sampling: 0)."""
-        resampled = 0
+    def _learn(self, steps: list[VerifiedStep]) -> None:
+        """Feed a sequence's unseen verifications to the drafter, in order."""
         for step in steps:
-            resampled = self.drafter.on_verified([step]).get(step.seq_id, 0)
-        return resampled
+            self.drafter.on_verified([step])
 
     def _quiet_steps(self, seq_id: int) -> int:
         """Steps the drafter will certainly not draft for ``seq_id`` (gated drafters only)."""
