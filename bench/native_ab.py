@@ -8,12 +8,17 @@ rounds, so a machine whose speed drifts slows them alike.
 
     python -m bench.native_ab --context 300 1000 --threads 2 \\
         --builds default LYANNA_NO_PREFETCH rev:003e699 --kv float16 float32
+    python -m bench.native_ab --batch 16 --builds default rev:003e699 --rounds 3
+
+``--batch B``: a decode step of B sequences instead (one new row each behind ``--context``
+cached rows, forward + LM head), ms per step and tokens/s.
 """
 
 from __future__ import annotations
 
 import argparse
 import subprocess
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -72,6 +77,7 @@ def main() -> None:
     parser.add_argument("--builds", nargs="+", default=["default", "LYANNA_NO_PREFETCH"])
     parser.add_argument("--kv", nargs="+", choices=sorted(KV_DTYPES), default=["float16"])
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=0, help="time a B-sequence decode step")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -79,6 +85,8 @@ def main() -> None:
     if model.native is None:
         raise SystemExit("the native decoder is unavailable (a C++ compiler is needed)")
     builds = {b: load_build(b) for b in args.builds}
+    if args.batch:
+        return batch_steps(model, builds, args)
     rows = []
     for context in args.context:
         for round_ in range(args.rounds):
@@ -90,6 +98,34 @@ def main() -> None:
     model.native, model.kv_dtype = load_decoder(), torch.float16
     print(f"\nforward + LM head, ms (threads {args.threads}):\n")
     print_table(["context", "round", "build", "kv", *(f"q={q}" for q in ROWS)], rows)
+
+
+def batch_steps(model, builds: dict, args: argparse.Namespace) -> None:
+    """A decode step of ``args.batch`` sequences, each one new row behind ``context`` cached
+    rows (nothing committed), per build, the builds taking turns."""
+    batch, rows = args.batch, []
+    for context in args.context:
+        cache = model.new_cache(batch, context + 2)
+        slots = torch.tensor([cache.allocate() for _ in range(batch)])
+        gen = torch.Generator().manual_seed(0)
+        for b in range(batch):
+            prompt = torch.randint(0, model.config.vocab_size, (1, context), generator=gen)
+            model(prompt, torch.arange(context)[None], cache, slots[b : b + 1])
+            cache.commit(int(slots[b]), torch.arange(context))
+        tokens = torch.randint(0, model.config.vocab_size, (batch, 1), generator=gen)
+        positions = torch.full((batch, 1), context)
+        for round_ in range(args.rounds):
+            for build, extension in builds.items():
+                model.native = extension
+                for _ in range(3):  # warm-up
+                    model.logits(model(tokens, positions, cache, slots))
+                start, steps = time.perf_counter(), 20
+                for _ in range(steps):
+                    model.logits(model(tokens, positions, cache, slots))
+                ms = (time.perf_counter() - start) / steps * 1e3
+                rows.append([context, round_, build, f"{ms:.2f}", f"{batch / ms * 1e3:.0f}"])
+    print(f"\ndecode step of {batch} sequences, forward + LM head (threads {args.threads}):\n")
+    print_table(["context", "round", "build", "ms / step", "tok/s"], rows)
 
 
 if __name__ == "__main__":
