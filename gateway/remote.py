@@ -1,6 +1,7 @@
 """The remote backend: drafter and verifier gRPC services behind ``GenerationBackend``.
 
-Scheduling (all on the event loop, async gRPC clients, a deadline on every call):
+Scheduling (all on the event loop, async gRPC clients, a deadline on every call; the
+queues, admission, commits, acceptance counts and retirement are ``lyanna.scheduler``'s):
 
 - *Admission* (``gateway.remote_admission``): waiting requests are prefilled in batches
   bounded by ``max_running`` and by the free KV slots the verifier reports; the first token
@@ -40,7 +41,6 @@ import asyncio
 import logging
 import secrets
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -58,6 +58,7 @@ from gateway.remote_admission import RESUMABLE, Admission, verifier_failure
 from gateway.remote_config import RemoteConfig
 from gateway.remote_drafter import DrafterLink
 from gateway.remote_seq import RemoteSeq, root_only_tree, split_steps
+from lyanna.scheduler import Scheduler, SchedulerConfig
 from lyanna.sequence import Sequence
 from services import codec
 from services.pb import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
@@ -93,12 +94,11 @@ class RemoteBackend(Admission):
         self.vocab_size = 0
         self.hidden_row_bytes = 0  # one hidden state on the wire (from the verifier's Capacity)
         self.num_fallback_steps = 0
-        self.num_verified_steps = 0  # sequence-steps verified
         self.num_verify_calls = 0
         self.num_resumed = 0  # sequences re-prefilled after the verifier lost them
-        self._waiting: deque[RemoteSeq] = deque()
+        self.scheduler = Scheduler(SchedulerConfig(config.max_running))  # context: start()
+        self._seqs: dict[int, RemoteSeq] = {}  # the remote state of each scheduled sequence
         self._lanes = [_Lane() for _ in range(2 if config.pipeline else 1)]
-        self._num_running = 0
         self._admit = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._closing = False
@@ -124,7 +124,8 @@ class RemoteBackend(Admission):
         except grpc.aio.AioRpcError as error:
             where = self.config.verifier_addr
             raise BackendUnavailable(f"verifier at {where}: {error.details()}") from None
-        self.max_context = capacity.max_len - capacity.reserved_rows
+        limits = SchedulerConfig(self.config.max_running, capacity.max_len, capacity.reserved_rows)
+        self.scheduler, self.max_context = Scheduler(limits), limits.max_context
         self.vocab_size = capacity.vocab_size
         hidden_dtype = codec.DTYPES.get(capacity.hidden_dtype, torch.float32)
         self.hidden_row_bytes = capacity.hidden_size * hidden_dtype.itemsize
@@ -138,11 +139,14 @@ class RemoteBackend(Admission):
         self._tasks = [loop.create_task(self._admit_loop(), name="remote-admit")]
         self._tasks += [loop.create_task(self._lane_loop(lane)) for lane in self._lanes]
 
+    @property
+    def num_verified_steps(self) -> int:
+        """Sequence-steps verified."""
+        return self.scheduler.stats.num_steps
+
     async def stop(self) -> None:
         self._closing = True
-        for seq in self._waiting:
-            seq.deliver(BackendUnavailable("the backend is shutting down"))
-        self._waiting.clear()
+        self._drop(self._waiting, BackendUnavailable("the backend is shutting down"))
         self._admit.set()
         for lane in self._lanes:
             lane.wake.set()
@@ -177,11 +181,6 @@ class RemoteBackend(Admission):
             raise ValueError(f"unknown method {method!r}; known: {list(self.methods)}")
         if not request.prompt_ids or any(not 0 <= t < self.vocab_size for t in request.prompt_ids):
             raise ValueError(f"prompt token ids must be non-empty and in [0, {self.vocab_size})")
-        needed = len(request.prompt_ids) + request.params.max_tokens
-        if needed > self.max_context:
-            raise ValueError(f"prompt + max_tokens = {needed} exceeds {self.max_context}")
-        if len(self._waiting) >= self.config.max_waiting:
-            raise BackendBusy(f"{len(self._waiting)} requests are already waiting")
         sequence = Sequence(
             # an id no other client can guess (63 random bits: a collision among even a
             # million live sequences has probability ~1e-7), so none can release another's
@@ -190,11 +189,16 @@ class RemoteBackend(Admission):
             request.params,
             self._eos,
             self._detokenize,
+            method=method,
         )
         use_drafter = method != TARGET_ONLY and self.drafter is not None
-        seq = RemoteSeq(sequence, method, asyncio.Queue(), use_drafter)
+        seq = RemoteSeq(sequence, asyncio.Queue(), use_drafter)
         seq.keep_hidden = use_drafter and self.drafter.needs_hidden and not self.drafter.plane_ok
-        self._waiting.append(seq)
+        self.scheduler.add(sequence)  # ValueError when prompt + max_tokens exceeds the context
+        if len(self.scheduler.waiting) > self.config.max_waiting:
+            self.scheduler.abort(sequence.seq_id)
+            raise BackendBusy(f"{len(self.scheduler.waiting)} requests are already waiting")
+        self._seqs[seq.seq_id] = seq
         self._admit.set()
         expiry = asyncio.get_running_loop().call_later(self.config.queue_timeout, self._expire, seq)
         try:
@@ -210,7 +214,7 @@ class RemoteBackend(Admission):
             if not seq.done:
                 seq.cancelled = True
                 if seq in self._waiting:
-                    self._waiting.remove(seq)
+                    self._forget(seq)
 
     # -- lanes -----------------------------------------------------------------------------
 
@@ -229,17 +233,17 @@ class RemoteBackend(Admission):
             self._rebalance(lane)
             batch = list(lane.seqs)
             try:
-                finished = await self._step(batch)
+                await self._step(batch)
             except Exception:  # a bug must not strand the lane's requests
                 logger.exception("lane step failed")
                 failure = BackendUnavailable("internal error (logged)")
                 for seq in batch:
                     seq.deliver(failure)
-                finished = batch
-            if finished:
-                lane.seqs = [s for s in lane.seqs if s not in finished]
-                resuming = [s for s in finished if s.resume_by is not None and not s.done]
-                await self._release([s for s in finished if s not in resuming])
+            leaving = [s for s in batch if s.done or s.resume_by is not None]  # or to resume
+            if leaving:
+                lane.seqs = [s for s in lane.seqs if s not in leaving]
+                resuming = [s for s in leaving if not s.done]
+                await self._release([s for s in leaving if s.done])
                 if resuming:
                     self._requeue(resuming)
 
@@ -251,10 +255,9 @@ class RemoteBackend(Admission):
             other.seqs.append(lane.seqs.pop())
             other.wake.set()
 
-    async def _step(self, batch: list[RemoteSeq]) -> list[RemoteSeq]:
+    async def _step(self, batch: list[RemoteSeq]) -> None:
         """One step of a lane, through the drafter when it drafts any sequence of the batch,
-        else (or when that failed) directly against the verifier; returns the sequences that
-        finished."""
+        else (or when that failed) directly against the verifier."""
         if self.drafter is not None:
             ready = await self.drafter.prepare(batch)
             if ready:
@@ -262,33 +265,22 @@ class RemoteBackend(Admission):
                 response = await self.drafter.step(batch, ready)
                 if response is not None:
                     return self._deliver(batch, response, time.perf_counter() - start)
-        return await self._verify(batch)
+        await self._verify(batch)
 
     def _deliver(
         self, batch: list[RemoteSeq], response: drafter_pb2.StepResponse, seconds: float
-    ) -> list[RemoteSeq]:
-        """Stream a drafter Step's results (the verifier's, relayed)."""
+    ) -> None:
+        """Commit and stream a drafter Step's results (the verifier's, relayed)."""
         verify_seconds = max(0.0, seconds - response.draft_seconds)
+        timing = {"draft_seconds": response.draft_seconds, "verify_seconds": verify_seconds}
         for seq, result in zip(batch, response.results, strict=True):
-            part = result.verified
-            self.num_verified_steps += 1
-            self._learn(seq, part)
-            facts = StepFacts(
-                method=seq.method,
-                num_drafted=part.num_drafted,
-                num_accepted=part.num_accepted,
-                num_resampled_accepted=result.num_resampled_accepted,
-                draft_seconds=response.draft_seconds,
-                verify_seconds=verify_seconds,
-            )
-            emitted = seq.sequence.append(list(part.tokens))
-            seq.deliver(TokenDelta(emitted, seq.sequence.finish_reason, facts))
-        return [s for s in batch if s.sequence.finished or s.done]
+            self._learn(seq, result.verified)
+            self._commit(seq, result.verified, result.num_resampled_accepted, **timing)
 
-    async def _verify(self, batch: list[RemoteSeq]) -> list[RemoteSeq]:
+    async def _verify(self, batch: list[RemoteSeq]) -> None:
         """Verify the batch's root-only trees directly (target-only, quiet and fallback
-        steps), stream its tokens; returns the sequences that finished. A step the verifier
-        already committed (its relaying drafter failed) comes back as it was committed."""
+        steps), commit and stream its tokens. A step the verifier already committed (its
+        relaying drafter failed) comes back as it was committed."""
         steps = self._plain_steps(batch)
         items = []
         for seq in batch:
@@ -310,11 +302,11 @@ class RemoteBackend(Admission):
                 logger.warning("verify failed (%s); resuming %d", error.code().name, len(batch))
                 for seq in batch:
                     seq.resume_by = time.monotonic() + self.config.queue_timeout
-                return batch
+                return
             failure = verifier_failure(error)
             for seq in batch:
                 seq.deliver(failure)
-            return batch
+            return
         verify_seconds = (time.perf_counter() - start) / steps
         self.num_verify_calls += 1
         for seq, result in zip(batch, response.results, strict=True):
@@ -322,21 +314,12 @@ class RemoteBackend(Admission):
             for step, part in enumerate(split_steps(result)):
                 if step:  # the drafter said so: a quiet step (see _plain_steps)
                     seq.quiet_step, seq.quiet_left = True, max(0, seq.quiet_left - 1)
-                self.num_verified_steps += 1
-                self.num_fallback_steps += fallback and not step
                 self._learn(seq, part, direct=True)
-                facts = StepFacts(
-                    method=seq.method,
-                    num_drafted=part.num_drafted,
-                    num_accepted=part.num_accepted,
-                    verify_seconds=verify_seconds,
-                    drafter_fallback=fallback and not step,
-                )
-                emitted = seq.sequence.append(list(part.tokens))
-                seq.deliver(TokenDelta(emitted, seq.sequence.finish_reason, facts))
-                if seq.sequence.finished or seq.done:
+                fell_back = fallback and not step
+                self.num_fallback_steps += fell_back
+                self._commit(seq, part, verify_seconds=verify_seconds, drafter_fallback=fell_back)
+                if seq.done:
                     break  # tokens decoded past the end are dropped with the sequence
-        return [s for s in batch if s.sequence.finished or s.done]
 
     def _plain_steps(self, batch: list[RemoteSeq]) -> int:
         """Decode steps one direct Verify may run for the batch: 1 unless no sequence drafts
@@ -353,6 +336,16 @@ class RemoteBackend(Admission):
             left = seq.sequence.params.max_tokens - len(seq.sequence.output_ids)
             allowed = min(allowed, left)
         return max(1, allowed)
+
+    def _commit(
+        self, seq: RemoteSeq, part: verifier_pb2.VerifyResult, resampled: int = 0, **timing
+    ) -> None:
+        """Commit a verification's tokens (the scheduler counts the step) and stream them."""
+        item = self.scheduler.commit(seq.sequence, part)
+        self.scheduler.record_drafter_facts([item], {seq.seq_id: resampled})
+        method = seq.sequence.method
+        facts = StepFacts(method, part.num_drafted, part.num_accepted, resampled, **timing)
+        seq.deliver(TokenDelta(item.tokens, seq.sequence.finish_reason, facts))
 
     def _learn(
         self, seq: RemoteSeq, result: verifier_pb2.VerifyResult, direct: bool = False
@@ -371,8 +364,9 @@ class RemoteBackend(Admission):
             self.drafter.learn(seq, result)
 
     async def _release(self, seqs: list[RemoteSeq]) -> None:
-        """Forget finished or cancelled sequences in both services (best effort)."""
-        self._num_running -= len(seqs)
+        """Forget finished, failed or cancelled sequences, in both services best effort."""
+        for seq in seqs:
+            self._forget(seq)
         self._admit.set()
         deadline = self.config.control_deadline
         calls = [

@@ -1,9 +1,9 @@
-"""Admission for the remote backend (``gateway.remote``): waiting requests are prefilled in
-batches bounded by ``max_running`` and by the free KV slots the verifier reports
-(``Capacity``), the first token streams right away, and each admitted sequence joins the
-emptiest lane. Sequences the verifier may have lost (restart, outage) wait here, first in
-line, to be re-prefilled from the gateway's history; a request still waiting after
-``queue_timeout`` gets ``BackendBusy``.
+"""Admission for the remote backend (``gateway.remote``): the scheduler admits waiting
+requests in batches bounded by ``max_running``, the free KV slots the verifier reports
+(``Capacity``) and one message, the first token streams right away, and each admitted
+sequence joins the emptiest lane. Sequences the verifier may have lost (restart, outage)
+wait, first in line, to be re-prefilled from the gateway's history; a request still waiting
+after ``queue_timeout`` gets ``BackendBusy``.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 
 import grpc
 
 from gateway.backend import BackendBusy, BackendUnavailable, TokenDelta
 from gateway.remote_seq import RemoteSeq
+from lyanna.sequence import Sequence
 from services import codec
 from services.pb import common_pb2, verifier_pb2
 
@@ -30,8 +30,24 @@ RESUMABLE = frozenset(
 
 
 class Admission:
-    """The admission half of ``RemoteBackend`` (a mixin: it works on the backend's queue,
-    lanes, counters and verifier stub)."""
+    """The admission half of ``RemoteBackend`` (a mixin: it works on the backend's
+    scheduler, sequences, lanes, counters and verifier stub)."""
+
+    @property
+    def _waiting(self) -> list[RemoteSeq]:
+        """The waiting sequences, first in line first."""
+        return [self._seqs[s.seq_id] for s in self.scheduler.waiting]
+
+    def _forget(self, seq: RemoteSeq) -> None:
+        """Drop a waiting or running sequence from the scheduler (not from the services)."""
+        self.scheduler.abort(seq.seq_id)
+        self._seqs.pop(seq.seq_id, None)
+
+    def _drop(self, seqs: list[RemoteSeq], error: Exception) -> None:
+        """Forget sequences (in the scheduler) and fail their requests with ``error``."""
+        for seq in seqs:
+            self._forget(seq)
+            seq.deliver(error)
 
     def _expire(self, seq: RemoteSeq) -> None:
         """A request still waiting for a slot after ``queue_timeout`` gets BackendBusy; one
@@ -41,13 +57,10 @@ class Admission:
             return
         timeout = self.config.queue_timeout
         if seq.resume_by is None:
-            self._waiting.remove(seq)
-            seq.deliver(BackendBusy(f"no sequence slot became free within {timeout:g} s"))
+            self._drop([seq], BackendBusy(f"no sequence slot became free within {timeout:g} s"))
         elif time.monotonic() >= seq.resume_by:
-            self._waiting.remove(seq)
-            seq.deliver(
-                BackendUnavailable(f"the verifier lost this request; not resumed in {timeout:g} s")
-            )
+            lost = f"the verifier lost this request; not resumed in {timeout:g} s"
+            self._drop([seq], BackendUnavailable(lost))
 
     # -- admission -------------------------------------------------------------------------
 
@@ -55,7 +68,7 @@ class Admission:
         while not self._closing:
             await self._admit.wait()
             self._admit.clear()
-            while self._waiting and not self._closing:
+            while self.scheduler.waiting and not self._closing:
                 held = [s for s in self._waiting if s.resume_by is not None and s.may_hold_slot]
                 # a verifier that only timed out may still hold their slots: free them before
                 # counting free slots (or a full verifier never has room) and before prefilling
@@ -66,8 +79,7 @@ class Admission:
                         break
                     for seq in held:
                         seq.may_hold_slot = False
-                room = self.config.max_running - self._num_running
-                if room <= 0:
+                if self.scheduler.num_free <= 0:
                     break
                 try:
                     capacity = await self._verifier.Capacity(
@@ -76,51 +88,49 @@ class Admission:
                 except grpc.aio.AioRpcError as error:
                     self._fail_waiting(error)
                     break
-                room = min(room, capacity.free_slots)
-                if room <= 0:  # slots held elsewhere: look again shortly
+                if capacity.free_slots <= 0:  # slots held elsewhere: look again shortly
                     asyncio.get_running_loop().call_later(0.2, self._admit.set)
                     break
-                batch = self._take_batch(room)
+                batch = self._take_batch(capacity.free_slots)
                 try:
                     await self._prefill(batch)
                 except Exception:  # a bug must not stop admission
                     logger.exception("prefill failed")
-                    for seq in batch:
-                        seq.deliver(BackendUnavailable("internal error (logged)"))
+                    self._drop(batch, BackendUnavailable("internal error (logged)"))
 
     def _take_batch(self, room: int) -> list[RemoteSeq]:
         """Up to ``room`` waiting sequences whose inline prompt hidden states fit one message
         (``max_hidden_bytes``) together; one that alone does not fit is prefilled without them
         and decodes target-only (its tokens stay exact), instead of failing the Prefill."""
+        for seq in self._waiting:
+            if seq.cancelled:  # put back in line (a retry) while it was in flight
+                self._forget(seq)
         inline = (
             self.drafter is not None and self.drafter.needs_hidden and not self.drafter.plane_ok
         )
-        budget, batch = self.config.max_hidden_bytes, []
-        while self._waiting and len(batch) < room:
-            seq = self._waiting[0]
-            size = len(seq.history or seq.sequence.prompt_ids) * self.hidden_row_bytes
+        budget = self.config.max_hidden_bytes
+
+        def fits(sequence: Sequence, batch: list[Sequence]) -> bool:
+            nonlocal budget
+            seq = self._seqs[sequence.seq_id]
+            size = len(seq.history or sequence.prompt_ids) * self.hidden_row_bytes
             wants = inline and self.drafter.wants_hidden(seq, True)
             if wants and size > self.config.max_hidden_bytes:
                 seq.use_drafter = seq.keep_hidden = False  # too large for any message
             elif wants and batch and size > budget:
-                break  # the next Prefill takes it
+                return False  # the next Prefill takes it
             elif wants:
                 budget -= size
-            self._waiting.popleft()
-            if not seq.cancelled:
-                batch.append(seq)
-        return batch
+            return True
+
+        return [self._seqs[s.seq_id] for s in self.scheduler.schedule_prefill(room, fits)]
 
     def _fail_waiting(self, error: grpc.aio.AioRpcError) -> None:
         """The verifier is unreachable: new requests fail at once, resuming ones wait on."""
-        waiting = self._waiting
-        self._waiting = deque(s for s in waiting if self._may_resume(s, error.code()))
-        failing = [s for s in waiting if s not in self._waiting]
+        failing = [s for s in self._waiting if not self._may_resume(s, error.code())]
         if failing:  # (retries while resuming ones wait log nothing each time)
-            failure = verifier_failure(error)
-            for seq in failing:
-                seq.deliver(failure)
-        if self._waiting:
+            self._drop(failing, verifier_failure(error))
+        if self.scheduler.waiting:
             asyncio.get_running_loop().call_later(0.5, self._admit.set)
 
     def _may_resume(self, seq: RemoteSeq, code: grpc.StatusCode) -> bool:
@@ -128,13 +138,12 @@ class Admission:
 
     def _requeue(self, seqs: list[RemoteSeq]) -> None:
         """Sequences the verifier may have lost go first in line to be re-prefilled."""
-        self._num_running -= len(seqs)
         loop = asyncio.get_running_loop()
         for seq in seqs:
             seq.desync()  # the drafter restarts from the history too
             seq.may_hold_slot = True
             loop.call_later(max(0.0, seq.resume_by - time.monotonic()), self._expire, seq)
-        self._waiting.extendleft(reversed(seqs))
+        self.scheduler.requeue([s.sequence for s in seqs])
         self._admit.set()
 
     async def _prefill(self, batch: list[RemoteSeq]) -> None:
@@ -145,7 +154,7 @@ class Admission:
                 items.append(seq.prefill_item(wants_hidden))
             except (ValueError, TypeError) as error:
                 batch.remove(seq)
-                seq.deliver(ValueError(f"the request cannot be encoded: {error}"))
+                self._drop([seq], ValueError(f"the request cannot be encoded: {error}"))
         if not batch:
             return
         try:
@@ -161,7 +170,7 @@ class Admission:
             ]
             for seq in retry:
                 seq.may_hold_slot = True  # a prefill past its deadline may have run anyway
-            self._waiting.extendleft(reversed(retry))
+            self.scheduler.requeue([s.sequence for s in retry])
             if retry:
                 asyncio.get_running_loop().call_later(0.2, self._admit.set)
             batch = [s for s in batch if s not in retry]
@@ -172,8 +181,7 @@ class Admission:
                 failure = ValueError(error.details())
             else:  # e.g. past the deadline: the verifier may have prefilled them anyway
                 await self._release_on_verifier(batch)
-            for seq in batch:
-                seq.deliver(failure)
+            self._drop(batch, failure)
             return
         finished = []
         for seq, result in zip(batch, response.results, strict=True):
@@ -186,12 +194,11 @@ class Admission:
             else:
                 seq.history = list(seq.sequence.prompt_ids)
                 seq.next_token = result.first_token
-                emitted = seq.sequence.append([result.first_token])
+                item = self.scheduler.postprocess_prefill(seq.sequence, result.first_token)
                 prompt_tokens = len(seq.sequence.prompt_ids)
                 seq.deliver(
-                    TokenDelta(emitted, seq.sequence.finish_reason, prompt_tokens=prompt_tokens)
+                    TokenDelta(item.tokens, seq.sequence.finish_reason, prompt_tokens=prompt_tokens)
                 )
-            self._num_running += 1
             if seq.sequence.finished or seq.cancelled:
                 finished.append(seq)
             else:

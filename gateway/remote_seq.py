@@ -25,8 +25,7 @@ ROOT_ONLY_SCHEME = common_pb2.DRAFT_SCHEME_TOPK
 
 @dataclass(slots=True, eq=False)
 class RemoteSeq:
-    sequence: Sequence  # output tokens and stop conditions
-    method: str
+    sequence: Sequence  # output tokens, stop conditions and method
     queue: asyncio.Queue  # TokenDelta | Exception for the request's iterator
     use_drafter: bool  # False: target-only steps ("ar", or the drafter cannot hold it)
     history: list[int] = field(default_factory=list)  # tokens in the target KV

@@ -6,14 +6,20 @@ is ``schedule_prefill()`` (admitted sequences, prefilled by the driver), then
 ``decode_batch()`` (every running sequence not yet finished: one speculative step), then
 ``postprocess()`` (commit each verdict's tokens, count the step in the stats of the
 sequence's method, collect what finished), then ``retire()``. The driver owns the model
-and drafters: the in-process engine and the embedded gateway backend drive this class, so
-admission, acceptance accounting and retirement are written once.
+and drafters: the in-process engine, the embedded gateway backend and the remote one drive
+this class, so admission, acceptance accounting and retirement are written once. The remote
+backend bounds admission further by the verifier's free KV slots and what one message holds
+(``schedule_prefill(limit, fits)``), commits the verifier service's results (a
+``Verification`` like a local ``Verdict``), and puts sequences the verifier lost back first
+in line (``requeue``).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import abc, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from lyanna.sequence import Sequence
 from lyanna.stats import SpecStats
@@ -26,15 +32,26 @@ TREE_MARGIN = 64  # KV rows kept free beyond prompt + max_tokens: one tree in fl
 class SchedulerConfig:
     max_running: int = 8  # sequences decoding at once (one KV slot each)
     max_len: int = 4096  # KV rows per sequence (prompt + output + one tree)
+    reserved_rows: int = TREE_MARGIN  # of them kept for the tree in flight (a remote
+    #                                   verifier says how many it keeps)
 
     def __post_init__(self) -> None:
-        if self.max_running < 1 or self.max_len < 2:
-            raise ValueError("max_running must be >= 1 and max_len >= 2")
+        if self.max_running < 1 or self.max_len < 2 or self.reserved_rows < 0:
+            raise ValueError("max_running must be >= 1, max_len >= 2 and reserved_rows >= 0")
 
     @property
     def max_context(self) -> int:
         """The longest prompt + max_tokens a request may ask for."""
-        return self.max_len - TREE_MARGIN
+        return self.max_len - self.reserved_rows
+
+
+class Verification(Protocol):
+    """What the scheduler reads of one verification: a local ``Verdict``, or a verifier
+    service's result (its ``VerifyResult`` message has these fields too)."""
+
+    tokens: abc.Sequence[int]  # accepted draft tokens + one residual-or-bonus token
+    num_accepted: int
+    num_drafted_per_depth: abc.Sequence[int]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -52,7 +69,7 @@ class Emitted:
 
     sequence: Sequence
     tokens: list[int]  # newly emitted output tokens (may be empty when EOS ended it)
-    verdict: Verdict | None = None  # the verification behind them; None for the prefill token
+    verdict: Verification | None = None  # the verification behind them; None for the prefill
     timing: StepTiming = field(default_factory=StepTiming)
     num_resampled_accepted: int = 0  # accepted tokens only a re-sampled subtree held
 
@@ -81,16 +98,23 @@ class Scheduler:
         if needed > self.config.max_context:
             raise ValueError(
                 f"prompt + max_tokens = {needed} exceeds the context of {self.config.max_context}"
-                f" ({self.config.max_len} KV rows, {TREE_MARGIN} kept for a tree)"
+                f" ({self.config.max_len} KV rows, {self.config.reserved_rows} kept for a tree)"
             )
         self.waiting.append(sequence)
 
-    def schedule_prefill(self, limit: int | None = None) -> list[Sequence]:
-        """Admit waiting sequences (FIFO) while slots are free, at most ``limit``; they are
-        running from now on, and the driver prefills them."""
+    def schedule_prefill(
+        self,
+        limit: int | None = None,
+        fits: Callable[[Sequence, list[Sequence]], bool] | None = None,
+    ) -> list[Sequence]:
+        """Admit waiting sequences (FIFO) while slots are free, at most ``limit``, and (when
+        ``fits`` is given) while ``fits(next, admitted so far)`` says the next one joins this
+        batch; they are running from now on, and the driver prefills them."""
         room = self.num_free if limit is None else min(limit, self.num_free)
-        admitted = []
+        admitted: list[Sequence] = []
         while self.waiting and len(admitted) < room:
+            if fits is not None and not fits(self.waiting[0], admitted):
+                break  # it stays first in line
             sequence = self.waiting.popleft()
             self.running[sequence.seq_id] = sequence
             admitted.append(sequence)
@@ -105,12 +129,14 @@ class Scheduler:
 
     def postprocess(self, batch: list[Sequence], verdicts: list[Verdict]) -> list[Emitted]:
         """Commit a step's verdicts to their sequences and count them, once, in the stats."""
-        emitted = []
-        for sequence, verdict in zip(batch, verdicts, strict=True):
-            self.stats.record(verdict)
-            self.method_stats(sequence.method).record(verdict)
-            emitted.append(Emitted(sequence, sequence.append(verdict.tokens), verdict))
-        return emitted
+        return [self.commit(s, v) for s, v in zip(batch, verdicts, strict=True)]
+
+    def commit(self, sequence: Sequence, verification: Verification) -> Emitted:
+        """Commit one verification's tokens to its sequence and count it in the stats (once
+        overall, once for the sequence's method)."""
+        self.stats.record(verification)
+        self.method_stats(sequence.method).record(verification)
+        return Emitted(sequence, sequence.append(verification.tokens), verification)
 
     def record_drafter_facts(self, emitted: list[Emitted], resampled: dict[int, int]) -> None:
         """What the drafters reported after learning the step (per sequence)."""
@@ -126,6 +152,13 @@ class Scheduler:
         for sequence in done:
             del self.running[sequence.seq_id]
         return done
+
+    def requeue(self, sequences: list[Sequence]) -> None:
+        """Put running sequences back first in line, in this order, to be admitted (and
+        prefilled) again: a remote verifier lost them, or their prefill must be retried."""
+        for sequence in sequences:
+            self.running.pop(sequence.seq_id, None)
+        self.waiting.extendleft(reversed(sequences))
 
     def abort(self, seq_id: int) -> bool:
         """Forget a waiting or running sequence (the driver first frees a running one's slot

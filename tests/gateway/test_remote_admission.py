@@ -19,6 +19,18 @@ from lyanna.sequence import Sequence
 from services.pb import common_pb2, verifier_pb2
 
 
+def queue(backend: RemoteBackend, seq: RemoteSeq) -> None:
+    """A request waiting in the backend's scheduler, as ``generate`` leaves it."""
+    backend.scheduler.add(seq.sequence)
+    backend._seqs[seq.seq_id] = seq
+
+
+def running(backend: RemoteBackend, seq: RemoteSeq) -> None:
+    """A sequence the backend runs (admitted and prefilled)."""
+    queue(backend, seq)
+    assert backend.scheduler.schedule_prefill() == [seq.sequence]
+
+
 class FullVerifier:
     """Capacity: no free slot, ever; records what it is asked to release; never prefills."""
 
@@ -43,9 +55,9 @@ def test_a_lost_sequence_stops_waiting_at_its_deadline_when_no_slot_comes_back()
         backend._verifier = verifier
         admit = asyncio.get_running_loop().create_task(backend._admit_loop())
         sequence = Sequence(7, [1, 2, 3], SamplingParams(max_tokens=8))
-        seq = RemoteSeq(sequence, "ar", asyncio.Queue(), use_drafter=False)
+        seq = RemoteSeq(sequence, asyncio.Queue(), use_drafter=False)
         seq.history, seq.next_token = [1, 2, 3], 4
-        backend._num_running = 1
+        running(backend, seq)
         seq.resume_by = time.monotonic() + 0.3  # what a failed Verify sets
         start = time.monotonic()
         backend._requeue([seq])
@@ -90,15 +102,17 @@ def test_prefill_batches_keep_inline_prompt_hidden_states_within_one_message() -
     backend.hidden_row_bytes = budget // 15  # 10 prompt rows: two thirds of one message
 
     def waiting(seq_id: int, rows: int) -> RemoteSeq:
-        sequence = Sequence(seq_id, [1] * rows, SamplingParams(max_tokens=4))
-        return RemoteSeq(sequence, "lyanna", asyncio.Queue(), use_drafter=True)
+        sequence = Sequence(seq_id, [1] * rows, SamplingParams(max_tokens=4), method="lyanna")
+        return RemoteSeq(sequence, asyncio.Queue(), use_drafter=True)
 
     small, other, huge, last = waiting(1, 10), waiting(2, 10), waiting(3, 20), waiting(4, 1)
-    backend._waiting.extend([small, other, huge, last])
+    for seq in (small, other, huge, last):
+        queue(backend, seq)
     assert backend._take_batch(room=8) == [small]  # the second would overflow the message
     assert backend._take_batch(room=8) == [other, huge, last]
     assert not huge.use_drafter and small.use_drafter and other.use_drafter and last.use_drafter
-    backend._waiting.extend([waiting(5, 1), waiting(6, 1)])
+    queue(backend, waiting(5, 1))
+    queue(backend, waiting(6, 1))
     assert len(backend._take_batch(room=1)) == 1 and len(backend._waiting) == 1
 
 
@@ -138,9 +152,9 @@ def test_a_lost_sequence_is_prefilled_again_only_after_its_old_copy_is_released(
         verifier = StalledVerifier()
         backend._verifier = verifier
         admit = asyncio.get_running_loop().create_task(backend._admit_loop())
-        seq = RemoteSeq(Sequence(9, [1, 2], SamplingParams()), "ar", asyncio.Queue(), False)
+        seq = RemoteSeq(Sequence(9, [1, 2], SamplingParams()), asyncio.Queue(), False)
         seq.history, seq.next_token, seq.resume_by = [1, 2], 3, time.monotonic() + 5
-        backend._num_running = 1
+        running(backend, seq)
         backend._requeue([seq])
         await asyncio.wait_for(poll_async(lambda: "prefill" in verifier.calls), timeout=10)
         backend._closing = True

@@ -68,9 +68,8 @@ class ScriptedStub:
 
 
 def make_seq(seq_id: int = 1, method: str = "lyanna") -> RemoteSeq:
-    seq = RemoteSeq(
-        Sequence(seq_id, [1, 2], SamplingParams()), method, asyncio.Queue(), method != "ar"
-    )
+    sequence = Sequence(seq_id, [1, 2], SamplingParams(), method=method)
+    seq = RemoteSeq(sequence, asyncio.Queue(), method != "ar")
     seq.history, seq.next_token, seq.keep_hidden = [1, 2], 7, method != "ar"
     seq.hidden_history = [torch.zeros(2, 4)]
     return seq

@@ -88,6 +88,11 @@ def test_ngram_greedy_equals_engine_and_plain(ngram_services, tiny_loaded, pipel
     steps = [s for o in outcomes for s in o.steps]
     assert sum(s.num_accepted for s in steps) > 0 and not any(s.drafter_fallback for s in steps)
     assert backend.default_method == "ngram" and all(s.method == "ngram" for s in steps)
+    # the scheduler counted each streamed step once, as the gateway's metrics do
+    counted = backend.scheduler.stats_by_method["ngram"]
+    assert counted.num_steps == len(steps) == backend.num_verified_steps
+    assert counted.num_accepted == sum(s.num_accepted for s in steps)
+    assert counted.num_drafted == sum(s.num_drafted for s in steps)
 
 
 def test_seeded_sampling_equals_engine(ngram_services, tiny_loaded) -> None:
@@ -355,7 +360,7 @@ def test_cancel_releases_both_services(ngram_services) -> None:
         seq_id = next(s.seq_id for lane in backend._lanes for s in lane.seqs)
         await stream.aclose()
         for _ in range(100):
-            if backend._num_running == 0:
+            if not backend.scheduler.running:
                 break
             await asyncio.sleep(0.05)
         capacity = await backend._verifier.Capacity(verifier_pb2.CapacityRequest(), timeout=5)
@@ -363,7 +368,7 @@ def test_cancel_releases_both_services(ngram_services) -> None:
             common_pb2.ReleaseRequest(seq_ids=[seq_id]), timeout=5
         )
         await backend.stop()
-        return backend._num_running, capacity, released.num_released
+        return len(backend.scheduler.running), capacity, released.num_released
 
     running, capacity, drafter_released = asyncio.run(run())
     assert running == 0 and capacity.free_slots == capacity.total_slots

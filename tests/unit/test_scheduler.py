@@ -1,8 +1,11 @@
-"""The scheduler on its own (no model): FIFO admission by capacity, refusal of requests that
-could never fit, one accounting of each verification (overall and per method), retirement
-and abort."""
+"""The scheduler on its own (no model): FIFO admission by capacity (and by a driver's own
+bound), refusal of requests that could never fit, one accounting of each verification
+(overall and per method, a local verdict or a verifier service's result alike), requeueing,
+retirement and abort."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 
@@ -80,3 +83,65 @@ def test_abort_forgets_waiting_and_running_sequences() -> None:
     assert scheduler.abort(1) and not scheduler.waiting
     assert scheduler.abort(0) and not scheduler.running and not scheduler.has_work
     assert not scheduler.abort(0)
+
+
+def test_admission_stops_where_the_batch_is_full_and_keeps_the_order() -> None:
+    """A driver bounds a batch beyond its slots (the remote backend: the verifier's free KV
+    slots as ``limit``, one message's worth of prompt hidden states as ``fits``); the
+    sequence that does not fit stays first in line."""
+    scheduler = Scheduler(SchedulerConfig(max_running=8, max_len=256))
+    for i, prompt_len in enumerate((4, 4, 9, 1, 1)):
+        scheduler.add(seq(i, prompt_len=prompt_len))
+
+    def fits(sequence: Sequence, admitted: list[Sequence]) -> bool:
+        return sum(len(s.prompt_ids) for s in admitted) + len(sequence.prompt_ids) <= 10
+
+    assert [s.seq_id for s in scheduler.schedule_prefill(fits=fits)] == [0, 1]
+    assert [s.seq_id for s in scheduler.waiting] == [2, 3, 4]
+    assert [s.seq_id for s in scheduler.schedule_prefill(limit=1, fits=fits)] == [2]
+    assert [s.seq_id for s in scheduler.schedule_prefill(fits=fits)] == [3, 4]
+    assert list(scheduler.running) == [0, 1, 2, 3, 4]
+
+
+def test_requeued_sequences_go_first_in_line_and_free_their_slots() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_running=3, max_len=256))
+    for i in range(5):
+        scheduler.add(seq(i))
+    lost = scheduler.schedule_prefill()
+    scheduler.requeue([lost[2], lost[0]])
+    assert list(scheduler.running) == [1] and scheduler.num_free == 2
+    assert [s.seq_id for s in scheduler.waiting] == [2, 0, 3, 4]
+    assert [s.seq_id for s in scheduler.schedule_prefill()] == [2, 0]
+
+
+def test_a_verifier_reserving_other_rows_sets_the_context() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_running=1, max_len=100, reserved_rows=30))
+    assert scheduler.config.max_context == 70
+    scheduler.add(seq(0, max_tokens=60, prompt_len=10))
+    with pytest.raises(ValueError, match=r"exceeds the context of 70 \(100 KV rows, 30 kept"):
+        scheduler.add(seq(1, max_tokens=61, prompt_len=10))
+    with pytest.raises(ValueError, match="reserved_rows"):
+        SchedulerConfig(reserved_rows=-1)
+
+
+@dataclass
+class RemoteResult:
+    """A verification as a verifier service returns it (tokens and counts, no tree path)."""
+
+    tokens: tuple[int, ...]
+    num_accepted: int
+    num_drafted_per_depth: tuple[int, ...]
+
+
+def test_a_remote_verification_commits_and_counts_as_a_verdict_does() -> None:
+    local, remote = Scheduler(), Scheduler()
+    for scheduler in (local, remote):
+        scheduler.add(seq(0, "lyanna", max_tokens=3))
+        scheduler.postprocess_prefill(scheduler.schedule_prefill()[0], 7)
+    [by_verdict] = local.postprocess(local.decode_batch(), [verdict([4, 5, 6], [2, 1])])
+    by_result = remote.commit(remote.running[0], RemoteResult((4, 5, 6), 2, (2, 1)))
+    assert by_result.tokens == by_verdict.tokens == [4, 5]
+    assert remote.running[0].finish_reason == "length"
+    assert remote.stats == local.stats and remote.stats_by_method == local.stats_by_method
+    assert remote.stats_by_method["lyanna"].acceptance_length == 3.0
+    assert [s.seq_id for s in remote.retire()] == [0]
