@@ -12,9 +12,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from lyanna.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from lyanna.scheduler import Emitted
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +40,19 @@ class StepFacts:
     draft_seconds: float = 0.0  # time spent drafting for the micro-batch holding this request
     verify_seconds: float = 0.0  # time of the verification forward for that micro-batch
     drafter_fallback: bool = False  # the drafter was down or late: target-only step
+
+    @classmethod
+    def of(cls, item: Emitted) -> StepFacts:
+        """The facts of an in-process step (``lyanna.scheduler.Emitted`` with its verdict)."""
+        verdict = item.verdict
+        return cls(
+            method=item.sequence.method,
+            num_drafted=sum(verdict.num_drafted_per_depth),
+            num_accepted=verdict.num_accepted,
+            num_resampled_accepted=item.num_resampled_accepted,
+            draft_seconds=item.timing.draft_seconds,
+            verify_seconds=item.timing.verify_seconds,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ from gateway.backend import (
     StepFacts,
     TokenDelta,
 )
+from gateway.handover import settle
 from lyanna.drafters import (
     DRAFTERS,
     TREE_MODES,
@@ -51,8 +52,6 @@ from lyanna.threads import StepThreads, available_cpus
 logger = logging.getLogger(__name__)
 
 TARGET_ONLY = "ar"  # plain decoding: always served, by the engine's own NoDrafter
-SETTLE_HOPS = 4  # event-loop turns the worker waits for after handing over a step's deltas
-SETTLE_SECONDS = 0.01  # ... at most this long
 METHOD_BUILD_ERRORS = (OSError, ValueError, RuntimeError, KeyError)  # missing/mismatched ckpt
 
 
@@ -130,7 +129,7 @@ class EmbeddedBackend:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
         # every CPU for each step: the worker lets the event loop send a step's deltas before
-        # it starts the next (``_settle``), so the OpenMP team never shares a core with it
+        # it starts the next (``handover.settle``), so the OpenMP team never shares a core
         self._threads = StepThreads.serving(self.config.threads, reserved=0)
         self._cpus = available_cpus()
         self._num_waiting = 0  # event loop only
@@ -338,7 +337,7 @@ class EmbeddedBackend:
             if handle is None:
                 continue
             loops.add(handle.loop)
-            step = None if item.verdict is None else _facts(item)
+            step = None if item.verdict is None else StepFacts.of(item)
             self._deliver(
                 handle,
                 TokenDelta(
@@ -352,28 +351,7 @@ class EmbeddedBackend:
                 del self._handles[item.sequence.seq_id]
         if self._threads.current >= self._cpus:
             for loop in loops:
-                self._settle(loop)
-
-    @staticmethod
-    def _settle(loop: asyncio.AbstractEventLoop) -> None:
-        """Wait (briefly) until ``loop`` has run what was just handed to it: the requests
-        format and send their tokens now, not while the next step's threads hold every core.
-        An OpenMP team waits at each barrier for its slowest thread, so one descheduled by
-        the event loop stalled them all (measured on 2 cores: embedded serving at
-        concurrency 1 ran at 96 tokens/s on 2 threads, 190 on 1)."""
-        done = threading.Event()
-
-        def hop(left: int) -> None:  # each turn runs the tasks the previous one woke
-            if left:
-                loop.call_soon(hop, left - 1)
-            else:
-                done.set()
-
-        try:
-            loop.call_soon_threadsafe(hop, SETTLE_HOPS)
-        except RuntimeError:  # the loop is closed
-            return
-        done.wait(SETTLE_SECONDS)
+                settle(loop)
 
     def _fail_in_flight(self, err: Exception) -> None:
         """A step failed half-way: every running request fails (503) and is aborted; when a
@@ -400,15 +378,3 @@ class EmbeddedBackend:
             handle.loop.call_soon_threadsafe(handle.queue.put_nowait, item)
         except RuntimeError:
             logger.debug("event loop closed; dropping a delta for %d", handle.sequence.seq_id)
-
-
-def _facts(item: Emitted) -> StepFacts:
-    verdict = item.verdict
-    return StepFacts(
-        method=item.sequence.method,
-        num_drafted=sum(verdict.num_drafted_per_depth),
-        num_accepted=verdict.num_accepted,
-        num_resampled_accepted=item.num_resampled_accepted,
-        draft_seconds=item.timing.draft_seconds,
-        verify_seconds=item.timing.verify_seconds,
-    )

@@ -28,8 +28,6 @@ import grpc
 import torch
 
 from lyanna.model import load_model
-from lyanna.model.device import parse_dtype, parse_placement
-from lyanna.model.loader import WEIGHT_FORMATS
 from lyanna.sampling import SamplingParams
 from lyanna.target import TargetConfig, TargetRunner, Verified
 from lyanna.threads import StepThreads, serving_threads
@@ -41,6 +39,7 @@ from services.hidden import HiddenSender
 from services.metrics import VerifierMetrics, serve_metrics
 from services.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
 from services.server import ServiceError, exit_with_parent, invalid, out_of_step, rpc_errors, serve
+from services.verifier.config import VerifierConfig
 
 T = TypeVar("T")
 
@@ -56,30 +55,6 @@ class LastStep:
     before: int  # committed length before it (the retry's ref)
     result: verifier_pb2.VerifyResult  # without hidden rows
     hidden: torch.Tensor | None  # its accepted-path rows, when they were computed
-
-
-@dataclass(frozen=True, slots=True)
-class VerifierConfig:
-    model: str = ""  # HF checkpoint directory or .gguf file; "" = the default model
-    max_running: int = 8  # KV slots
-    max_len: int = 2048  # KV rows per sequence
-    rule: str | None = None  # acceptance rule at temperature > 0 (None = scheme default)
-    max_tree_nodes: int = 128  # largest tree (after fusion) one sequence may send
-    weights: str = "auto"  # q4 | fp32 | auto (see lyanna.model.load_model)
-    device: str = "cpu"  # cpu | cuda | cuda:N: where the model and its KV cache live
-    dtype: str = "float32"  # float32 | bfloat16 (bf16) | float16 (fp16); bf16 on a GPU
-
-    def __post_init__(self) -> None:
-        TargetConfig(self.max_running, self.max_len, self.rule)
-        if self.weights not in WEIGHT_FORMATS:
-            raise ValueError(f"weights must be one of {WEIGHT_FORMATS}")
-        if self.max_tree_nodes < 1:
-            raise ValueError("max_tree_nodes must be >= 1")
-        parse_placement(self.device, self.dtype, self.weights)  # at start-up, not in a forward
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return parse_dtype(self.dtype)
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):

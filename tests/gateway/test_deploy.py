@@ -28,7 +28,7 @@ from gateway.metrics import GatewayMetrics
 from services.config import ServerConfig, parse_configs
 from services.drafter.server import DrafterConfig
 from services.metrics import DrafterMetrics, VerifierMetrics
-from services.verifier.server import VerifierConfig
+from services.verifier.config import VerifierConfig
 from tests.gateway import operator_schemas
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"

@@ -13,6 +13,7 @@ import torch
 
 from gateway.backend import BackendBusy, BackendUnavailable, GenerationRequest, TokenDelta
 from gateway.embedded import EmbeddedBackend, EmbeddedConfig
+from gateway.handover import settle
 from gateway.server import load
 from lyanna.drafters.base import NoDrafter
 from lyanna.sampling import SamplingParams
@@ -257,7 +258,7 @@ def test_bf16_embedded_backend_equals_bf16_plain_decoding(tiny_chat_dir) -> None
 
 
 def test_settle_returns_once_the_loop_ran_the_woken_consumer() -> None:
-    """The worker hands a delta over and waits for the event loop: when ``_settle`` returns,
+    """The worker hands a delta over and waits for the event loop: when ``settle`` returns,
     a consumer that awaited the queue has taken the delta and gone past two more awaits (as
     a response formatting and sending a chunk does), so the next step's threads do not
     share a core with it."""
@@ -290,11 +291,11 @@ def test_settle_returns_once_the_loop_ran_the_woken_consumer() -> None:
     try:
         for i in range(20):
             loop.call_soon_threadsafe(items.put_nowait, i)
-            EmbeddedBackend._settle(loop)
+            settle(loop)
             assert handled == list(range(i + 1))
     finally:
         asyncio.run_coroutine_threadsafe(stop(task), loop).result(5)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
         loop.close()
-    EmbeddedBackend._settle(loop)  # a closed loop: returns at once
+    settle(loop)  # a closed loop: returns at once

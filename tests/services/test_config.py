@@ -7,7 +7,7 @@ import pytest
 
 from services.config import ServerConfig, parse_configs
 from services.drafter.server import DrafterConfig
-from services.verifier.server import VerifierConfig
+from services.verifier.config import VerifierConfig
 
 
 def test_flags_over_environment_over_defaults() -> None:

@@ -29,7 +29,8 @@ from services.drafter.server import DrafterConfig
 from services.hidden import HiddenSender
 from services.launch import launch
 from services.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
-from services.verifier.server import VerifierConfig, VerifierServicer
+from services.verifier.config import VerifierConfig
+from services.verifier.server import VerifierServicer
 from tests.conftest import make_tiny_model
 from tests.services.remote_client import PROMPTS, engine_outputs, plain_greedy, run_remote
 from tests.services.test_remote import BUDGET, LYANNA_FLAGS, MAX_TOKENS, config_for

@@ -18,7 +18,8 @@ from services.data_plane import sign_ref
 from services.drafter.server import DrafterConfig, DrafterServicer
 from services.hidden import HiddenReceiver, HiddenSender
 from services.pb import common_pb2, drafter_pb2, verifier_pb2
-from services.verifier.server import VerifierConfig, VerifierServicer
+from services.verifier.config import VerifierConfig
+from services.verifier.server import VerifierServicer
 from tests.conftest import make_tiny_model
 
 
