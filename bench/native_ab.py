@@ -12,6 +12,14 @@ rounds, so a machine whose speed drifts slows them alike.
 
 ``--batch B``: a decode step of B sequences instead (one new row each behind ``--context``
 cached rows, forward + LM head), ms per step and tokens/s.
+
+``--engine ar,ngram``: whole engine decoding instead (batch 1, one Spec-Bench prompt per
+category, ``--max-tokens``), decode-only tokens/s and ms per step per build and method: what
+a build does to the Python and torch work between forwards shows only here (the weights a
+forward streams evict it from the caches, see ``block_matmul.h``). The LM head follows the
+build too.
+
+    python -m bench.native_ab --engine ar,ngram --builds default LYANNA_PREFETCH_T0 --rounds 3
 """
 
 from __future__ import annotations
@@ -21,10 +29,11 @@ import subprocess
 import time
 from pathlib import Path
 from types import ModuleType
+from unittest import mock
 
 import torch
 
-from bench.common import print_table
+from bench.common import load_questions, print_table
 from lyanna.model import fetch_default_model, load_model
 from lyanna.model.calibrate import forward_seconds
 from lyanna.model.default import cache_root
@@ -78,6 +87,8 @@ def main() -> None:
     parser.add_argument("--kv", nargs="+", choices=sorted(KV_DTYPES), default=["float16"])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batch", type=int, default=0, help="time a B-sequence decode step")
+    parser.add_argument("--engine", default="", help="methods: time whole engine decoding")
+    parser.add_argument("--max-tokens", type=int, default=96)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -87,6 +98,8 @@ def main() -> None:
     builds = {b: load_build(b) for b in args.builds}
     if args.batch:
         return batch_steps(model, builds, args)
+    if args.engine:
+        return engine_decode(model, builds, args)
     rows = []
     for context in args.context:
         for round_ in range(args.rounds):
@@ -126,6 +139,53 @@ def batch_steps(model, builds: dict, args: argparse.Namespace) -> None:
                 rows.append([context, round_, build, f"{ms:.2f}", f"{batch / ms * 1e3:.0f}"])
     print(f"\ndecode step of {batch} sequences, forward + LM head (threads {args.threads}):\n")
     print_table(["context", "round", "build", "ms / step", "tok/s"], rows)
+
+
+def engine_decode(model, builds: dict, args: argparse.Namespace) -> None:
+    """Decode-only tokens/s of whole engine runs per build and method, the builds taking
+    turns (every native call, LM head and drafter layers included, on the build)."""
+    from lyanna.drafters import make_drafter, tree_budget
+    from lyanna.drafters.base import NoDrafter
+    from lyanna.engine import EngineConfig, SpecEngine
+    from lyanna.sampling import SamplingParams
+    from lyanna.sequence import Sequence
+    from lyanna.tokenizer import chat_prompt_ids, load_tokenizer
+
+    tokenizer = load_tokenizer(fetch_default_model())
+    prompts = [
+        chat_prompt_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}])
+        for q in load_questions(per_category=1)
+    ]
+    eos = frozenset({tokenizer.eos_token_id})
+    methods = args.engine.split(",")
+    drafters = {
+        m: NoDrafter() if m == "ar" else make_drafter(m, model, tree_budget(m, model))
+        for m in methods
+    }
+    rows = []
+    for round_ in range(args.rounds):
+        for build, extension in builds.items():
+            model.native = extension
+            with mock.patch("lyanna.model.native.load_decoder", lambda ext=extension: ext):
+                for method, drafter in drafters.items():
+                    tokens = steps = 0
+                    seconds = 0.0
+                    for i, prompt in enumerate(prompts):
+                        engine = SpecEngine(model, drafter, EngineConfig(1, 2048))
+                        sequence = Sequence(
+                            i, prompt, SamplingParams(max_tokens=args.max_tokens), eos
+                        )
+                        engine.submit(sequence)
+                        engine.admit()
+                        start = time.perf_counter()
+                        steps += engine.run().num_steps
+                        seconds += time.perf_counter() - start
+                        tokens += len(sequence.output_ids) - 1  # the first came from prefill
+                    rows.append([round_, build, method, f"{tokens / seconds:.1f}",
+                                 f"{seconds / steps * 1e3:.3f}"])  # fmt: skip
+    model.native = load_decoder()
+    print(f"\nengine decoding, batch 1, {len(prompts)} prompts (threads {args.threads}):\n")
+    print_table(["round", "build", "method", "decode tok/s", "ms / step"], rows)
 
 
 if __name__ == "__main__":

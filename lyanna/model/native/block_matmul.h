@@ -124,15 +124,28 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, Quantized<Code>&
 template <int Bits>
 constexpr int64_t kBlockBytes = Bits == 4 ? kChunks * kTile * 4 : kBlock * kTile;
 
+// Non-temporal (locality 0: prefetchnta): the weights stream through once per forward, and
+// prefetched for keeps they evicted the interpreter's and torch's working set from every
+// cache level, so the Python and small torch ops between two forwards (drafting, the
+// acceptance rule, sampling, bookkeeping) ran cold. Measured on Zen 5, 2 threads, engine
+// decoding at batch 1 (``bench.native_ab --engine``): AR +3-8 %, n-gram and Lyanna about
+// 0-9 %, the forward alone unchanged within noise (docs/benchmarks.md); not measured on an
+// Intel CPU. ``LYANNA_PREFETCH_T0`` builds the previous hint, for an A/B.
+#ifdef LYANNA_PREFETCH_T0
+constexpr int kPrefetchLocality = 3;
+#else
+constexpr int kPrefetchLocality = 0;
+#endif
+
 template <int Bits>
 inline void prefetch_ahead(const uint8_t* codes, const c10::Half* scales, int64_t g) {
 #ifndef LYANNA_NO_PREFETCH  // (benchmarks: the build without it, for an A/B in one process)
   // integer addresses: past the last tile they point nowhere, which a prefetch ignores
   const auto at = reinterpret_cast<uintptr_t>(codes) + (g + kPrefetchBlocks) * kBlockBytes<Bits>;
   for (int64_t i = 0; i < kBlockBytes<Bits>; i += 64)
-    __builtin_prefetch(reinterpret_cast<const void*>(at + i), 0, 3);
+    __builtin_prefetch(reinterpret_cast<const void*>(at + i), 0, kPrefetchLocality);
   const auto s = reinterpret_cast<uintptr_t>(scales + (g + kPrefetchBlocks) * 2 * kTile);
-  __builtin_prefetch(reinterpret_cast<const void*>(s), 0, 3);  // d and m: one line per block
+  __builtin_prefetch(reinterpret_cast<const void*>(s), 0, kPrefetchLocality);  // d and m: one line per block
 #endif
 }
 
