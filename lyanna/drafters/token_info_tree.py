@@ -23,6 +23,7 @@ import torch
 
 from lyanna.draft_nodes import DraftNodes
 from lyanna.drafters.sampled import DraftSampling, SampledTrees, draw_children
+from lyanna.drafters.scopes import SOFTMAX_SCOPE, scope
 
 
 def build_subtrees(
@@ -42,6 +43,8 @@ def build_subtrees(
     rows instead (``lyanna.drafters.sampled``)."""
     B = logits.shape[0]
     draws = draws or [None] * B
+    if top_k == 1 and logits.shape[1] > 0 and all(d is None for d in draws):
+        return _greedy_chains(logits, root_tokens, info_table, hot_ids, hot_index)
     roots = torch.tensor(root_tokens, dtype=torch.int64)
     tokens, parents, probs = [roots[:, None]], [torch.full((B, 1), -1)], [torch.ones(B, 1)]
     num_nodes = 1
@@ -71,6 +74,39 @@ def build_subtrees(
     columns = (torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(probs, 1))
     nodes = [DraftNodes(*row) for row in zip(*(c.tolist() for c in columns), strict=True)]
     return sampled.attach(nodes, hot_ids)
+
+
+def _greedy_chains(
+    logits: torch.Tensor,  # [B, steps, num_hot]
+    root_tokens: list[int],
+    info_table: torch.Tensor | None,
+    hot_ids: torch.Tensor,
+    hot_index: torch.Tensor,
+) -> list[DraftNodes]:
+    """``build_subtrees`` with ``top_k`` 1 and no sampled draws (the serving default on a
+    4-bit CPU target): every tree is a chain whose frontier is its one child, so a step is
+    the same row arithmetic, softmax and top-1 as the general path, without the joint
+    bookkeeping that only a wider frontier needs (the same nodes and probabilities)."""
+    B, steps = logits.shape[:2]
+    roots = torch.tensor(root_tokens, dtype=torch.int64)
+    hot = hot_index[roots]  # [B] hot row of each chain's newest token, -1 if cold
+    columns, probs = [], []
+    for step in range(steps):
+        rows = logits[:, step].float()
+        if info_table is not None and step == 0:  # no token info for a cold root
+            info = info_table[hot.clamp(min=0)].float()
+            rows = torch.where((hot >= 0)[:, None], rows + info, rows)
+        elif info_table is not None:
+            rows = rows + info_table[hot].float()
+        with scope(SOFTMAX_SCOPE):
+            top = rows.softmax(-1).topk(1, dim=-1)
+        hot = top.indices[:, 0]
+        columns.append(hot)
+        probs.append(top.values[:, 0])
+    tokens = torch.cat([roots[:, None], hot_ids[torch.stack(columns, 1)]], 1).tolist()
+    chain_probs = torch.cat([torch.ones(B, 1), torch.stack(probs, 1)], 1).tolist()
+    parents = list(range(-1, steps))
+    return [DraftNodes(t, list(parents), p) for t, p in zip(tokens, chain_probs, strict=True)]
 
 
 def build_subtree(

@@ -370,3 +370,26 @@ def test_token_tree_prune_and_merge_equal_per_node_code(seed: int) -> None:
         assert_same_tree(tree.merge(other).prune(budget), ref.merge(ref_other).prune(budget))
         nodes = DraftNodes.of(tree).merge(DraftNodes.of(other)).prune(budget)
         assert_same_tree(nodes.to_tree(), ref.merge(ref_other).prune(budget))
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_one_child_chains_equal_per_node_builder(seed: int) -> None:
+    """Top-1 without sampled draws takes ``build_subtrees``' chain path: the same nodes and
+    probabilities as the per-node builder, ties (integer logits), cold roots and no token
+    info included."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab, num_hot, batch, steps = 30, 12, 1 + seed % 4, 1 + seed % 5
+    hot_ids = torch.randperm(vocab, generator=gen)[:num_hot]
+    hot_index = torch.full((vocab,), -1)
+    hot_index[hot_ids] = torch.arange(num_hot)
+    if seed % 2:
+        logits = torch.randint(-2, 3, (batch, steps, num_hot), generator=gen).float()
+    else:
+        logits = torch.randn(batch, steps, num_hot, generator=gen) * 3
+    info = None if seed % 3 == 0 else torch.randn(num_hot, num_hot, generator=gen).half()
+    roots = torch.randint(0, vocab, (batch,), generator=gen).tolist()
+    args = (1, info, hot_ids, hot_index)
+    built = build_subtrees(logits, roots, *args)
+    for nodes, chain, root in zip(built, logits, roots, strict=True):
+        assert nodes.parents == list(range(-1, steps))
+        assert_same_tree(nodes.to_tree(), reference_build_subtree(chain, root, *args))
