@@ -125,8 +125,8 @@ template <int Bits>
 constexpr int64_t kBlockBytes = Bits == 4 ? kChunks * kTile * 4 : kBlock * kTile;
 
 // Non-temporal (locality 0: prefetchnta): the weights stream through once per forward, and
-// prefetched for keeps they evicted the interpreter's and torch's working set from every
-// cache level, so the Python and small torch ops between two forwards (drafting, the
+// prefetched for keeps they likely evicted the interpreter's and torch's working set from
+// every cache level, so the Python and small torch ops between two forwards (drafting, the
 // acceptance rule, sampling, bookkeeping) ran cold. Measured on Zen 5, 2 threads, engine
 // decoding at batch 1 (``bench.native_ab --engine``): AR +3-8 %, n-gram and Lyanna about
 // 0-9 %, the forward alone unchanged within noise (docs/benchmarks.md); not measured on an
