@@ -23,7 +23,6 @@ import torch
 
 from lyanna.draft_nodes import DraftNodes
 from lyanna.drafters.sampled import DraftSampling, SampledTrees, draw_children
-from lyanna.drafters.scopes import SOFTMAX_SCOPE, scope
 
 
 def build_subtrees(
@@ -54,11 +53,7 @@ def build_subtrees(
     sampled = SampledTrees([b for b, draw in enumerate(draws) if draw is not None])
     for step in range(logits.shape[1]):
         rows = logits[:, step, None].expand(-1, frontier.shape[1], -1).float()
-        if info_table is not None and step == 0:  # no token info for a cold (non-hot) root
-            info = info_table[frontier_hot.clamp(min=0)].float()
-            rows = torch.where((frontier_hot >= 0)[..., None], rows + info, rows)
-        elif info_table is not None:  # later parents are drafted children: always hot
-            rows = rows + info_table[frontier_hot].float()
+        rows = _with_token_info(rows, frontier_hot, info_table, first=step == 0)
         children = draw_children(rows, top_k, draws, log_space=False)  # [B, f, k]
         sampled.add(children, frontier, frontier_log_joint)
         child_probs, child_cols = children.values, children.columns
@@ -85,28 +80,39 @@ def _greedy_chains(
 ) -> list[DraftNodes]:
     """``build_subtrees`` with ``top_k`` 1 and no sampled draws (the serving default on a
     4-bit CPU target): every tree is a chain whose frontier is its one child, so a step is
-    the same row arithmetic, softmax and top-1 as the general path, without the joint
-    bookkeeping that only a wider frontier needs (the same nodes and probabilities)."""
+    the general path's row arithmetic and ``draw_children`` without the joint bookkeeping
+    that only a wider frontier needs (the same nodes and probabilities)."""
     B, steps = logits.shape[:2]
     roots = torch.tensor(root_tokens, dtype=torch.int64)
-    hot = hot_index[roots]  # [B] hot row of each chain's newest token, -1 if cold
+    hot = hot_index[roots][:, None]  # [B, 1] hot row of each chain's newest token, -1 if cold
     columns, probs = [], []
     for step in range(steps):
-        rows = logits[:, step].float()
-        if info_table is not None and step == 0:  # no token info for a cold root
-            info = info_table[hot.clamp(min=0)].float()
-            rows = torch.where((hot >= 0)[:, None], rows + info, rows)
-        elif info_table is not None:
-            rows = rows + info_table[hot].float()
-        with scope(SOFTMAX_SCOPE):
-            top = rows.softmax(-1).topk(1, dim=-1)
-        hot = top.indices[:, 0]
+        rows = _with_token_info(logits[:, step, None].float(), hot, info_table, step == 0)
+        children = draw_children(rows, 1, [None] * B, log_space=False)  # [B, 1, 1]
+        hot = children.columns[:, 0]
         columns.append(hot)
-        probs.append(top.values[:, 0])
-    tokens = torch.cat([roots[:, None], hot_ids[torch.stack(columns, 1)]], 1).tolist()
-    chain_probs = torch.cat([torch.ones(B, 1), torch.stack(probs, 1)], 1).tolist()
+        probs.append(children.values[:, 0])
+    tokens = torch.cat([roots[:, None], hot_ids[torch.cat(columns, 1)]], 1).tolist()
+    chain_probs = torch.cat([torch.ones(B, 1), *probs], 1).tolist()
     parents = list(range(-1, steps))
     return [DraftNodes(t, list(parents), p) for t, p in zip(tokens, chain_probs, strict=True)]
+
+
+def _with_token_info(
+    rows: torch.Tensor,  # [B, f, num_hot] float32 raw logits of each frontier node's children
+    hot: torch.Tensor,  # [B, f] hot row of each frontier token, -1 if cold
+    info_table: torch.Tensor | None,
+    first: bool,
+) -> torch.Tensor:
+    """The rows plus their parents' token info. Only the first step's parent (the root) can
+    be cold, and a cold token has no token-info row; later parents are drafted children,
+    always hot."""
+    if info_table is None:
+        return rows
+    if first:
+        info = info_table[hot.clamp(min=0)].float()
+        return torch.where((hot >= 0)[..., None], rows + info, rows)
+    return rows + info_table[hot].float()
 
 
 def build_subtree(
