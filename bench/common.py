@@ -12,6 +12,7 @@ from pathlib import Path
 
 from lyanna.drafters import TREE_MODES, DraftBudget, default_budget, tree_budget
 from lyanna.model.loader import WEIGHT_FORMATS
+from lyanna.tokenizer import chat_prompt_ids
 
 SPEC_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "eval" / "spec_bench.jsonl"
 
@@ -46,6 +47,11 @@ def load_questions(path: Path = SPEC_BENCH, per_category: int | None = 1) -> lis
             counts[row["category"]] = seen + 1
             picked.append(row)
     return picked
+
+
+def question_prompt(tokenizer, question: dict) -> list[int]:
+    """A Spec-Bench question's first turn as chat-formatted prompt ids."""
+    return chat_prompt_ids(tokenizer, [{"role": "user", "content": question["turns"][0]}])
 
 
 def median_seconds(fn: Callable[[], object], repeats: int = 7, warmup: int = 2) -> float:

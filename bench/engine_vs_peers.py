@@ -19,14 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.common import load_questions, median_seconds, print_table
+from bench.common import load_questions, median_seconds, print_table, question_prompt
 from bench.forward_latency import forward_table
 from lyanna.decode import generate, prefill
 from lyanna.model import fetch_default_model, load_model
 from lyanna.model.default import gguf_path
 from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence
-from lyanna.tokenizer import chat_prompt_ids, load_tokenizer
+from lyanna.tokenizer import load_tokenizer
 
 NEW_TOKENS = (1, 2, 4, 8, 16)
 
@@ -201,8 +201,7 @@ def main() -> None:
     tokenizer = load_tokenizer(model_dir)
     eos = frozenset({tokenizer.eos_token_id})
     prompts = [
-        chat_prompt_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}])
-        for q in load_questions(per_category=args.per_category)
+        question_prompt(tokenizer, q) for q in load_questions(per_category=args.per_category)
     ]
     print(
         f"{len(prompts)} Spec-Bench prompts, {args.max_tokens} new tokens, greedy, "

@@ -11,14 +11,14 @@ import time
 
 import torch
 
-from bench.common import load_questions, print_table
+from bench.common import load_questions, print_table, question_prompt
 from lyanna.decode import generate
 from lyanna.model import fetch_default_model, load_model
 from lyanna.model.calibrate import forward_seconds
 from lyanna.model.default import gguf_path
 from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence
-from lyanna.tokenizer import chat_prompt_ids, load_tokenizer
+from lyanna.tokenizer import load_tokenizer
 
 CACHE_LEN = 256
 NEW_TOKENS = (1, 2, 4, 8, 16, 32, 64)
@@ -76,9 +76,7 @@ def main() -> None:
         [[q, t * 1000, t / table[1]] for q, t in table.items()],
     )
     questions = load_questions(per_category=args.per_category)
-    prompts = [
-        chat_prompt_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}]) for q in questions
-    ]
+    prompts = [question_prompt(tokenizer, q) for q in questions]
     eos = frozenset({tokenizer.eos_token_id})
     lean = lean_ar(model, prompts, args.max_tokens, eos)
     ref = transformers_ar(prompts, args.max_tokens)

@@ -16,8 +16,8 @@ cached rows, forward + LM head), ms per step and tokens/s.
 ``--engine ar,ngram``: whole engine decoding instead (batch 1, one Spec-Bench prompt per
 category, ``--max-tokens``), decode-only tokens/s and ms per step per build and method: what
 a build does to the Python and torch work between forwards shows only here (the weights a
-forward streams evict it from the caches, see ``block_matmul.h``). The LM head follows the
-build too.
+forward streams likely evict it from the caches, see ``block_matmul.h``). The LM head follows
+the build too.
 
     python -m bench.native_ab --engine ar,ngram --builds default LYANNA_PREFETCH_T0 --rounds 3
 """
@@ -33,7 +33,7 @@ from unittest import mock
 
 import torch
 
-from bench.common import load_questions, print_table
+from bench.common import load_questions, print_table, question_prompt
 from lyanna.model import fetch_default_model, load_model
 from lyanna.model.calibrate import forward_seconds
 from lyanna.model.default import cache_root
@@ -149,13 +149,10 @@ def engine_decode(model, builds: dict, args: argparse.Namespace) -> None:
     from lyanna.engine import EngineConfig, SpecEngine
     from lyanna.sampling import SamplingParams
     from lyanna.sequence import Sequence
-    from lyanna.tokenizer import chat_prompt_ids, load_tokenizer
+    from lyanna.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(fetch_default_model())
-    prompts = [
-        chat_prompt_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}])
-        for q in load_questions(per_category=1)
-    ]
+    prompts = [question_prompt(tokenizer, q) for q in load_questions(per_category=1)]
     eos = frozenset({tokenizer.eos_token_id})
     methods = args.engine.split(",")
     drafters = {

@@ -28,6 +28,7 @@ from bench.common import (
     load_questions,
     method_budget,
     print_table,
+    question_prompt,
     set_threads,
 )
 from lyanna.drafters import DRAFTERS, MODEL_FREE_METHODS, DraftBudget, Drafter, make_drafter
@@ -37,7 +38,7 @@ from lyanna.model.transformer import Transformer
 from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence
 from lyanna.stats import SpecStats
-from lyanna.tokenizer import chat_prompt_ids, load_tokenizer
+from lyanna.tokenizer import load_tokenizer
 
 
 @dataclass(slots=True)
@@ -118,9 +119,7 @@ class BenchSetup:
         tokenizer = load_tokenizer(model_dir)
         by_category: dict[str, list[list[int]]] = defaultdict(list)
         for q in load_questions(questions, per_category):
-            by_category[q["category"]].append(
-                chat_prompt_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}])
-            )
+            by_category[q["category"]].append(question_prompt(tokenizer, q))
         model = load_model(model_dir, weights=weights)
         return cls(model, frozenset({tokenizer.eos_token_id}), dict(by_category))
 
