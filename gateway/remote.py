@@ -57,7 +57,7 @@ from gateway.backend import (
 from gateway.remote_admission import RESUMABLE, Admission, verifier_failure
 from gateway.remote_config import RemoteConfig
 from gateway.remote_drafter import DrafterLink
-from gateway.remote_seq import RemoteSeq, root_only_tree, split_steps
+from gateway.remote_seq import RemoteSeq, split_steps
 from lyanna.scheduler import Scheduler, SchedulerConfig
 from lyanna.sequence import Sequence
 from services import codec
@@ -288,7 +288,7 @@ class RemoteBackend(Admission):
             items.append(
                 verifier_pb2.VerifyItem(
                     ref=seq.ref(),
-                    tree=root_only_tree(seq.next_token),
+                    tree=codec.root_only_tree(seq.next_token),
                     return_hidden=wants_hidden,
                     steps=steps,
                 )

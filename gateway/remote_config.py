@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.tls import ClientTls
+from services.tls import ClientTls, channel_options
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,11 +54,4 @@ class RemoteConfig:
         return int(mb * 1024 * 1024)
 
     def channel_options(self) -> list[tuple[str, int]]:
-        size = self.max_message_mb * 1024 * 1024
-        return [
-            ("grpc.max_send_message_length", size),
-            ("grpc.max_receive_message_length", size),
-            ("grpc.initial_reconnect_backoff_ms", 200),
-            ("grpc.min_reconnect_backoff_ms", 200),
-            ("grpc.max_reconnect_backoff_ms", 2000),
-        ]
+        return channel_options(self.max_message_mb)

@@ -20,8 +20,6 @@ from lyanna.sequence import Sequence
 from services import codec
 from services.pb import common_pb2, drafter_pb2, verifier_pb2
 
-ROOT_ONLY_SCHEME = common_pb2.DRAFT_SCHEME_TOPK
-
 
 @dataclass(slots=True, eq=False)
 class RemoteSeq:
@@ -132,11 +130,6 @@ class RemoteSeq:
         if drafted:
             item.unseen.extend(self.unseen_steps)
         return item
-
-
-def root_only_tree(token: int) -> common_pb2.TokenTree:
-    """No draft: verifying it is one step of plain decoding (the drafter fallback)."""
-    return common_pb2.TokenTree(tokens=[token], parents=[-1], scheme=ROOT_ONLY_SCHEME)
 
 
 def split_steps(result: verifier_pb2.VerifyResult) -> list[verifier_pb2.VerifyResult]:

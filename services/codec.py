@@ -111,6 +111,11 @@ def encode_tree(tree: TokenTree, with_draft_probs: bool = False) -> common_pb2.T
     return message
 
 
+def root_only_tree(token: int) -> common_pb2.TokenTree:
+    """No draft: verifying it is one step of plain decoding."""
+    return common_pb2.TokenTree(tokens=[token], parents=[-1], scheme=common_pb2.DRAFT_SCHEME_TOPK)
+
+
 def decode_tree(
     message: common_pb2.TokenTree,
     vocab_size: int,

@@ -71,6 +71,19 @@ class ClientTls:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
 
+def channel_options(max_message_mb: int) -> list[tuple[str, int]]:
+    """A client channel's options: explicit message sizes, and a short reconnect backoff so
+    a returning service is found quickly."""
+    size = max_message_mb * 1024 * 1024
+    return [
+        ("grpc.max_send_message_length", size),
+        ("grpc.max_receive_message_length", size),
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.min_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2000),
+    ]
+
+
 def aio_channel(
     addr: str, tls: ClientTls | None, options: Sequence[tuple[str, object]] = ()
 ) -> grpc.aio.Channel:

@@ -18,10 +18,8 @@ import grpc
 
 from lyanna.tree import TokenTree
 from services import codec
-from services.pb import common_pb2, drafter_pb2, verifier_pb2, verifier_pb2_grpc
-from services.tls import ClientTls, sync_channel
-
-ROOT_ONLY_SCHEME = common_pb2.DRAFT_SCHEME_TOPK
+from services.pb import drafter_pb2, verifier_pb2, verifier_pb2_grpc
+from services.tls import ClientTls, channel_options, sync_channel
 
 
 class VerifierLink:
@@ -32,14 +30,7 @@ class VerifierLink:
         max_message_mb: int = 64,
         deadline: float = 60.0,  # seconds, when the caller of Step set none (or a longer one)
     ) -> None:
-        size = max_message_mb * 1024 * 1024
-        self._options = [
-            ("grpc.max_send_message_length", size),
-            ("grpc.max_receive_message_length", size),
-            ("grpc.initial_reconnect_backoff_ms", 200),
-            ("grpc.min_reconnect_backoff_ms", 200),
-            ("grpc.max_reconnect_backoff_ms", 2000),
-        ]
+        self._options = channel_options(max_message_mb)
         self._addr, self._tls, self.deadline = addr, tls, deadline
         self._channel: grpc.Channel | None = None
         self._stub: verifier_pb2_grpc.VerifierStub | None = None
@@ -92,9 +83,7 @@ def verify_request(
     for item in items:
         tree = trees.get(item.ref.seq_id) if item.draft else None
         if tree is None:
-            message = common_pb2.TokenTree(
-                tokens=[item.next_token], parents=[-1], scheme=ROOT_ONLY_SCHEME
-            )
+            message = codec.root_only_tree(item.next_token)
         else:
             message = codec.encode_tree(tree, with_draft_probs=item.want_draft_probs)
         verify_items.append(
