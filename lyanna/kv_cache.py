@@ -126,6 +126,14 @@ class KVCache:
             raise CacheFullError("commit refers to rows outside the slot")
         self.lengths[slot] = start + count
 
+    def advance(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
+        """``commit_prefix`` for many slots at once: slot ``slots[i]`` keeps its first
+        ``counts[i]`` speculative rows (a batch decoding in lockstep)."""
+        grown = self.lengths[slots] + counts.to(torch.int64)
+        if bool((counts < 0).any()) or int(grown.max()) > self.max_len:
+            raise CacheFullError("commit refers to rows outside the slot")
+        self.lengths[slots] = grown
+
     def truncate(self, slot: int, length: int) -> None:
         """Roll the committed prefix back to ``length`` rows."""
         if not 0 <= length <= int(self.lengths[slot]):

@@ -42,6 +42,8 @@ class TrainConfig:
     hot_vocab_tokens: str = "answers"  # count the hot vocabulary over: answers | all
     init_from: str = ""  # an exported checkpoint directory to start from (its hot vocabulary)
     amp: str = "none"  # none | bf16: autocast of the training forward (evaluation stays fp32)
+    device: str = "cpu"  # cpu | cuda[:N]: where the draft model, batches and frozen target live
+    keep_best: bool = False  # export the weights of the best evaluation (held-out step-1 top-1)
     log_every: int = 10
     eval_every: int = 200
     ckpt_every: int = 100
@@ -75,12 +77,14 @@ class TrainConfig:
     def work_dir(self) -> Path:
         return cache_root() / "train" / self.run_name
 
-    def lr_at(self, step: int) -> float:
-        """Linear warmup, then linear decay to ``lr * min_lr_ratio`` at ``max_steps``."""
+    def lr_at(self, step: int, clock: float = 0.0) -> float:
+        """Linear warmup, then linear decay to ``lr * min_lr_ratio`` at ``max_steps``, or
+        earlier when ``clock`` (the share of ``max_minutes`` spent) runs ahead of the steps: a
+        run stopped by the clock still ends its decay."""
         if step < self.warmup_steps:
             return self.lr * (step + 1) / self.warmup_steps
         progress = (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps)
-        return self.lr * (1.0 - (1.0 - self.min_lr_ratio) * min(1.0, progress))
+        return self.lr * (1.0 - (1.0 - self.min_lr_ratio) * min(1.0, max(progress, clock)))
 
 
 def _boolean(text: str) -> bool:

@@ -48,6 +48,7 @@ from lyanna.sampling import SamplingParams, greedy_or_sample
 from lyanna.tokenizer import load_tokenizer
 from training.data import MANIFEST, Sequence, build_shard, shard_path, write_shard
 from training.prepare import TRAIN_PROMPTS, chat_prompts, prompt_seed
+from training.static_batch import generate_static
 
 REPO = Path(__file__).resolve().parents[1]
 IDS_PATTERN = "ids-{:05d}.safetensors"
@@ -81,6 +82,9 @@ class DistillConfig:
     sampled_fraction: float = 0.25  # share of prompts answered by sampling
     temperature_range: tuple[float, float] = (0.7, 1.0)
     token_budget: int = 2_000_000  # stop after the shard that reaches this many answer tokens
+    start_shard: int = 0  # skip the split's first shards (another run answered those prompts)
+    engine: str = "continuous"  # continuous (CPU: refill freed slots) | static (GPU: wide batches)
+    max_minutes: float = 0.0  # start no new shard after this long (0 = no limit)
     seed: int = 20261123
     threads: int = 2
     ids_dir: str = ""  # default: data/distill/<run_name> in the repository
@@ -93,6 +97,8 @@ class DistillConfig:
         low, high = self.temperature_range
         if not 0.0 < low <= high:
             raise ValueError("temperature_range must be 0 < low <= high")
+        if self.engine not in ("continuous", "static"):
+            raise ValueError(f"engine must be continuous or static, got {self.engine!r}")
         for name in ("max_prompt_tokens", "max_answer_tokens", "batch_size", "prompts_per_shard"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -279,8 +285,10 @@ class Manifest:
         self.data["totals"]["num_shards"] = len(self.data["shards"])
         self.save()
 
-    def save(self) -> None:
-        self.path.write_text(json.dumps(self.data, indent=2) + "\n")
+    def save(self) -> None:  # written aside and renamed: a killed run never leaves half a file
+        partial = self.path.with_suffix(".partial")
+        partial.write_text(json.dumps(self.data, indent=2) + "\n")
+        partial.replace(self.path)
 
     @property
     def answer_tokens(self) -> int:
@@ -317,17 +325,27 @@ def generate(config: DistillConfig, prompts: Path = TRAIN_PROMPTS) -> dict:
     for job in plan:
         expected[job.shard] = expected.get(job.shard, 0) + 1
 
+    deadline = time.perf_counter() + 60 * config.max_minutes if config.max_minutes else None
+
     def todo() -> Iterator[Job]:
+        current = None
         for job in plan:
             if budget_shards is not None and job.shard >= budget_shards:
                 return
-            if job.shard not in done:
+            if job.shard != current and deadline and time.perf_counter() > deadline:
+                return  # at a shard boundary: every shard started gets all its prompts
+            current = job.shard
+            if job.shard not in done and job.shard >= config.start_shard:
                 yield job
 
     bar = tqdm(total=config.token_budget, initial=ids_manifest.answer_tokens, unit="tok")
     pending: dict[int, list[Answer]] = {}
     started = time.perf_counter()
-    for answer in generate_answers(model, todo(), config, eos_id):
+    if config.engine == "static":
+        answers = generate_static(model, todo(), config, eos_id, seed=config.seed)
+    else:
+        answers = generate_answers(model, todo(), config, eos_id)
+    for answer in answers:
         shard = answer.job.shard
         pending.setdefault(shard, []).append(answer)
         bar.update(len(answer.answer))
@@ -370,7 +388,10 @@ def materialize(config: DistillConfig, batch: int = 8) -> int:
     ]  # fmt: skip
     if not missing:
         return 0
-    model = load_model(model_dir, weights=ids_manifest["config"]["weights"], device=config.device)
+    weights = ids_manifest["config"]["weights"]
+    if torch.device(config.device).type != "cpu":
+        weights = "fp32"  # the 4-bit kernels are CPU-only; fp32 holds the same dequantized weights
+    model = load_model(model_dir, weights=weights, device=config.device)
     fast_attention(model)
     total = sum(ids_manifest["shards"][n]["num_tokens"] for n in missing)
     bar = tqdm(total=total, unit="tok", desc="hidden states")

@@ -32,6 +32,10 @@ class FrozenTarget:
         embedding = embedding.detach().float()
         return cls(embedding, hot_vocab, embedding[hot_vocab].contiguous())
 
+    def to(self, device: torch.device) -> FrozenTarget:
+        return FrozenTarget(self.embedding.to(device), self.hot_vocab.to(device),
+                            self.hot_head.to(device))  # fmt: skip
+
 
 def default_target_state(target_config: ModelConfig) -> dict[str, torch.Tensor] | None:
     """The default model's HF state dict when it is the target being trained against (drafters
@@ -51,6 +55,12 @@ class TrainBatch:
     hidden: torch.Tensor  # [B, T, d] float32 target final hidden state at each token
     weight: torch.Tensor  # [B, T] float32 loss weight of each position (0 = padding)
     answer: torch.Tensor  # [B, T] bool answer positions (accuracy metrics)
+
+    def to(self, device: torch.device) -> TrainBatch:
+        if self.tokens.device == device:
+            return self
+        return TrainBatch(*(t.to(device, non_blocking=True) for t in
+                            (self.tokens, self.hidden, self.weight, self.answer)))  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -91,34 +91,36 @@ def plan_batches(lengths: list[int], config: TrainConfig, epoch: int) -> list[li
 def collate(sequences: list[Sequence], config: TrainConfig) -> TrainBatch:
     T = max(min(s.tokens.shape[0], config.max_seq_len) for s in sequences)
     B, d = len(sequences), sequences[0].hidden.shape[1]
-    tokens = torch.zeros(B, T, dtype=torch.int64)
-    hidden = torch.zeros(B, T, d)
-    weight = torch.zeros(B, T)
-    answer = torch.zeros(B, T, dtype=torch.bool)
+    cpu = torch.device("cpu")  # assembled on the CPU whatever the default device, then moved
+    tokens = torch.zeros(B, T, dtype=torch.int64, device=cpu)
+    hidden = torch.zeros(B, T, d, device=cpu)
+    weight = torch.zeros(B, T, device=cpu)
+    answer = torch.zeros(B, T, dtype=torch.bool, device=cpu)
     for b, s in enumerate(sequences):
         n = min(s.tokens.shape[0], T)
         tokens[b, :n] = s.tokens[:n]
         hidden[b, :n] = s.hidden[:n].float()
         answer[b, :n] = s.loss_mask[:n]
         weight[b, :n] = torch.where(s.loss_mask[:n], 1.0, config.prompt_weight)
-    return TrainBatch(tokens=tokens, hidden=hidden, weight=weight, answer=answer)
+    batch = TrainBatch(tokens=tokens, hidden=hidden, weight=weight, answer=answer)
+    return batch.to(torch.device(config.device))
 
 
 def save_state(path: Path, model, optimizer, step: int, config: TrainConfig) -> None:
-    tensors = {f"model.{k}": v.contiguous() for k, v in model.state_dict().items()}
+    tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     names = {id(p): n for n, p in model.named_parameters()}
     for group in optimizer.param_groups:
         for p in group["params"]:
             for key, value in optimizer.state.get(p, {}).items():
-                tensors[f"opt.{names[id(p)]}.{key}"] = value.reshape(-1).contiguous()
+                tensors[f"opt.{names[id(p)]}.{key}"] = value.reshape(-1).cpu().contiguous()
     meta = {"step": str(step), "config": json.dumps(dataclasses.asdict(config))}
     partial = path.with_suffix(".partial")
     save_file(tensors, partial, metadata=meta)
     partial.replace(path)
 
 
-def load_state(path: Path, model, optimizer) -> int:
-    tensors = load_file(path)
+def load_state(path: Path, model, optimizer, device: torch.device | str = "cpu") -> int:
+    tensors = load_file(path, device=str(device))
     model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
     for name, p in model.named_parameters():
         state = {}
@@ -147,7 +149,8 @@ def evaluate(model, batches: list[TrainBatch]) -> dict[str, float]:
 def export(model, config: TrainConfig, record: dict) -> Path:
     out = Path(config.export_dir) if config.export_dir else config.work_dir / "export"
     out.mkdir(parents=True, exist_ok=True)
-    save_file(model.export(), out / "model.safetensors", metadata={"format": "pt"})
+    weights = {k: v.cpu() for k, v in model.export().items()}
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(model.config_dict(), indent=2) + "\n")
     data = {}
     for d in config.data_dirs:
@@ -178,9 +181,17 @@ def export(model, config: TrainConfig, record: dict) -> Path:
     return out
 
 
+def selection_score(val: dict[str, float]) -> float:
+    """What ``keep_best`` maximises: held-out top-1 (hot vocabulary) averaged over the unrolled
+    steps (EAGLE names them ``stepK_top1``, Lyanna ``top1_K``)."""
+    scores = [v for k, v in val.items() if "top1" in k and "full" not in k]
+    return sum(scores) / len(scores) if scores else 0.0
+
+
 def train(config: TrainConfig) -> dict:
     torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
+    device = torch.device(config.device)
     work = config.work_dir
     work.mkdir(parents=True, exist_ok=True)
     target_config, state = read_hf_dir(fetch_default_model())
@@ -201,14 +212,21 @@ def train(config: TrainConfig) -> dict:
                              answers_only)  # fmt: skip
     coverage = hot_coverage(train_seqs, val_seqs, target_config.vocab_size)
     print(json.dumps({"hot_coverage_of_held_out_answers": coverage}), flush=True)
-    target = FrozenTarget.from_embedding(state["model.embed_tokens.weight"], hot)
+    target = FrozenTarget.from_embedding(state["model.embed_tokens.weight"], hot).to(device)
     del state
-    model = get_model_class(config.model).build(target, target_config, config)
+    with device:  # tensors the model and its loss create (masks, positions) live there too
+        record = _optimise(config, target, target_config, train_seqs, val_seqs, init, coverage)
+    return record
+
+
+def _optimise(config, target, target_config, train_seqs, val_seqs, init, coverage) -> dict:
+    device, work = torch.device(config.device), config.work_dir
+    model = get_model_class(config.model).build(target, target_config, config).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
     )
-    step = load_state(work / STATE, model, optimizer) if (work / STATE).is_file() else 0
+    step = load_state(work / STATE, model, optimizer, device) if (work / STATE).is_file() else 0
     if step == 0 and init is not None:
         model.load_export(init)
     lengths = [min(s.tokens.shape[0], config.max_seq_len) for s in train_seqs]
@@ -227,6 +245,7 @@ def train(config: TrainConfig) -> dict:
     started = time.perf_counter()
     tokens_seen = 0
     last: dict[str, float] = {}
+    best: tuple[float, int, dict[str, float], dict[str, torch.Tensor]] | None = None
     model.train()
     while step < config.max_steps:
         if consumed >= len(plan):
@@ -234,10 +253,12 @@ def train(config: TrainConfig) -> dict:
             plan = plan_batches(lengths, config, epoch)
         batch = collate([train_seqs[i] for i in plan[consumed]], config)
         consumed += 1
-        lr = config.lr_at(step)
+        elapsed = time.perf_counter() - started
+        clock = elapsed / (60 * config.max_minutes) if config.max_minutes else 0.0
+        lr = config.lr_at(step, clock)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        with torch.autocast("cpu", torch.bfloat16, enabled=config.amp == "bf16"):
+        with torch.autocast(device.type, torch.bfloat16, enabled=config.amp == "bf16"):
             loss, metrics = model.loss(batch)
         last = {k: round(v, 4) for k, v in metrics.items()}
         optimizer.zero_grad(set_to_none=True)
@@ -255,14 +276,21 @@ def train(config: TrainConfig) -> dict:
             log.write(json.dumps(entry) + "\n")
         out_of_time = config.max_minutes and elapsed > 60 * config.max_minutes
         if step % config.eval_every == 0:
-            val = {"step": step, "val": evaluate(model, val_batches)}
-            print(json.dumps(val), flush=True)
-            log.write(json.dumps(val) + "\n")
+            val = evaluate(model, val_batches)
+            print(json.dumps({"step": step, "val": val}), flush=True)
+            log.write(json.dumps({"step": step, "val": val}) + "\n")
+            if config.keep_best and (best is None or selection_score(val) > best[0]):
+                weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                best = (selection_score(val), step, val, weights)
         if step % config.ckpt_every == 0 or step == config.max_steps or out_of_time:
             save_state(work / STATE, model, optimizer, step, config)
         if out_of_time:
             break
     val = evaluate(model, val_batches)
+    kept = {"step": step, "val": val}
+    if best is not None and best[0] > selection_score(val):
+        model.load_state_dict(best[3])
+        kept = {"step": best[1], "val": best[2]}
     record = {
         "steps": step,
         "epochs": round(epoch + consumed / max(1, len(plan)), 2),
@@ -273,8 +301,10 @@ def train(config: TrainConfig) -> dict:
         "hot_coverage_of_held_out_answers": coverage,
         "seconds_this_run": round(time.perf_counter() - started, 1),
         "train_last_batch": last,
-        "val": val,
+        "val": kept["val"],
     }
+    if config.keep_best:
+        record |= {"exported_step": kept["step"], "val_last_step": val}
     log.write(json.dumps({"final": record}) + "\n")
     log.close()
     out = export(model, config, record)
