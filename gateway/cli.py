@@ -207,6 +207,14 @@ def _add_serve(sub) -> None:
         "verifies through that verifier itself (its own --verifier / LYANNA_DRAFTER_VERIFIER)",
     )
     serve.add_argument(
+        "--draft-deadline",
+        type=float,
+        default=float(os.environ.get("LYANNA_DRAFT_DEADLINE", "2")),
+        help="services mode: seconds the drafter may take to draft a step; a drafter that has "
+        "drafted nothing a second after it is taken for stuck, and steps run target-only until "
+        "it answers again (env LYANNA_DRAFT_DEADLINE)",
+    )
+    serve.add_argument(
         "--pipeline",
         action=argparse.BooleanOptionalAction,
         default=True,

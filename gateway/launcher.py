@@ -162,6 +162,7 @@ def _serve_remote(
         max_running=args.max_running,
         max_waiting=args.max_waiting,
         queue_timeout=args.queue_timeout,
+        draft_deadline=args.draft_deadline,
         max_steps_per_call=args.max_steps_per_call,
         tls=config.services_tls(),
     )

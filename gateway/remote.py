@@ -101,6 +101,7 @@ class RemoteBackend(Admission):
         self._lanes = [_Lane() for _ in range(2 if config.pipeline else 1)]
         self._admit = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self._drafter_releases: set[asyncio.Task] = set()  # best effort, off the lanes
         self._closing = False
         self._channels: list[grpc.aio.Channel] = []
         self._verifier: verifier_pb2_grpc.VerifierStub | None = None
@@ -158,6 +159,8 @@ class RemoteBackend(Admission):
             seq.deliver(TokenDelta([], finish_reason="abort"))
         if leftovers:
             await self._release(leftovers)
+        if self._drafter_releases:  # a second's grace: a stuck drafter's end with its channel
+            await asyncio.wait(self._drafter_releases, timeout=1.0)
         for channel in self._channels:
             await channel.close()
 
@@ -369,15 +372,19 @@ class RemoteBackend(Admission):
             self._forget(seq)
         self._admit.set()
         deadline = self.config.control_deadline
-        calls = [
-            self._verifier.Release(
-                common_pb2.ReleaseRequest(seq_ids=[s.seq_id for s in seqs]), timeout=deadline
+        request = self.drafter.release_request(seqs) if self.drafter is not None else None
+        if request is not None:  # not awaited here: a stuck drafter must not stall the lane
+            task = asyncio.get_running_loop().create_task(
+                _released(self.drafter.stub.Release(request, timeout=deadline), "drafter")
             )
-        ]
-        if self.drafter is not None:
-            request = self.drafter.release_request(seqs)
-            if request is not None:
-                calls.append(self.drafter.stub.Release(request, timeout=deadline))
-        for outcome in await asyncio.gather(*calls, return_exceptions=True):
-            if isinstance(outcome, grpc.aio.AioRpcError):
-                logger.warning("release failed: %s", outcome.details())
+            self._drafter_releases.add(task)
+            task.add_done_callback(self._drafter_releases.discard)
+        request = common_pb2.ReleaseRequest(seq_ids=[s.seq_id for s in seqs])
+        await _released(self._verifier.Release(request, timeout=deadline), "verifier")
+
+
+async def _released(call, service: str) -> None:
+    try:
+        await call
+    except grpc.aio.AioRpcError as error:
+        logger.warning("%s release failed: %s", service, error.details())

@@ -21,7 +21,10 @@ class RemoteConfig:
     queue_timeout: float = 60.0  # seconds a request may wait for a slot before BackendBusy
     prefill_deadline: float = 120.0  # seconds, per call
     verify_deadline: float = 60.0
-    draft_deadline: float = 10.0  # past it the step runs target-only
+    # seconds the drafter may take to draft (it then answers DEADLINE_EXCEEDED); one more
+    # second without its `drafted` event and the gateway takes it for stuck: either way the
+    # step runs target-only and the drafter is retried after drafter_retry_seconds
+    draft_deadline: float = 2.0
     control_deadline: float = 10.0  # Start, Release, Capacity, Info
     drafter_retry_seconds: float = 1.0
     # plain decode steps one Verify may run when nobody drafts (tokens still stream one by

@@ -20,6 +20,7 @@ verifications ride along with the sequence's next Step, oldest first (``StepItem
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -38,6 +39,7 @@ STATE_ERRORS = (
 )
 REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
 MAX_QUIET_STEPS = 64  # the most quiet steps trusted from one result (the drafter's bound)
+HANG_GRACE_SECONDS = 1.0
 
 
 class DrafterLink:
@@ -46,6 +48,9 @@ class DrafterLink:
         self.method = config.method
         self.draft_deadline, self.control_deadline = config.draft_deadline, config.control_deadline
         self.step_deadline = config.draft_deadline + config.verify_deadline
+        # the drafter answers DEADLINE_EXCEEDED itself once drafting took draft_deadline; the
+        # grace lets that answer arrive before the caller gives up on a silent drafter
+        self.hang_seconds = config.draft_deadline + HANG_GRACE_SECONDS
         self.retry_seconds = config.drafter_retry_seconds
         self.plane_ok = config.use_data_plane  # off for good once the drafter has failed
         self.needs_hidden = True  # until the drafter says otherwise
@@ -115,7 +120,9 @@ class DrafterLink:
         )
         self.num_step_calls += 1
         try:
-            response = await self.stub.Step(request, timeout=self.step_deadline)
+            response = await self._step_response(
+                self.stub.Step(request, timeout=self.step_deadline)
+            )
         except grpc.aio.AioRpcError as error:
             self._failed(error, ready)
             return None
@@ -130,6 +137,23 @@ class DrafterLink:
                 seq.unseen_steps = []
                 seq.quiet_left = min(result.quiet_steps, MAX_QUIET_STEPS)
         return response
+
+    async def _step_response(self, call) -> drafter_pb2.StepResponse:
+        """Read a Step's two events. No ``drafted`` event within ``hang_seconds`` means the
+        drafter is stuck (a hung or frozen process): the call is cancelled and fails as
+        DEADLINE_EXCEEDED at once, not after the whole step's deadline."""
+        try:
+            drafted = await asyncio.wait_for(call.read(), self.hang_seconds)
+        except TimeoutError:
+            call.cancel()
+            raise _error(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"nothing drafted in {self.hang_seconds:g} s"
+            ) from None
+        last = await call.read()
+        if _event(drafted) != "drafted" or _event(last) != "response":
+            call.cancel()
+            raise _error(grpc.StatusCode.INTERNAL, "the drafter's Step events are out of order")
+        return last.response
 
     def wants_hidden(self, seq: RemoteSeq, for_start: bool) -> bool:
         """Ask for the hidden states of this sequence's committed tokens? For its Start (the
@@ -204,6 +228,14 @@ class DrafterLink:
         logger.warning(
             "drafter unavailable (%s: %s); target-only steps", self._error, error.details()
         )
+
+
+def _event(event) -> str | None:
+    return None if event is grpc.aio.EOF else event.WhichOneof("event")
+
+
+def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
 def _consistent(batch: list[RemoteSeq], response: drafter_pb2.StepResponse) -> bool:

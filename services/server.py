@@ -10,6 +10,7 @@ slot or room is RESOURCE_EXHAUSTED; anything else is INTERNAL with the error tex
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import signal
@@ -68,16 +69,30 @@ def _status_of(error: Exception) -> grpc.StatusCode:
 def rpc_errors(handler: Callable) -> Callable:
     """Turn exceptions raised by a servicer method into a gRPC status with a message."""
 
+    def abort(error: Exception, context: grpc.ServicerContext) -> None:
+        code = _status_of(error)
+        if code is grpc.StatusCode.INTERNAL:
+            log.exception("%s failed", handler.__name__)
+        message = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+        context.abort(code, f"{handler.__name__}: {message}")
+
+    if inspect.isgeneratorfunction(handler):  # a streaming reply: errors arise while iterating
+
+        @functools.wraps(handler)
+        def streamed(self, request, context: grpc.ServicerContext):
+            try:
+                yield from handler(self, request, context)
+            except Exception as error:
+                abort(error, context)
+
+        return streamed
+
     @functools.wraps(handler)
     def wrapped(self, request, context: grpc.ServicerContext):
         try:
             return handler(self, request, context)
         except Exception as error:
-            code = _status_of(error)
-            if code is grpc.StatusCode.INTERNAL:
-                log.exception("%s failed", handler.__name__)
-            message = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
-            context.abort(code, f"{handler.__name__}: {message}")
+            abort(error, context)
 
     return wrapped
 

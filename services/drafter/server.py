@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from itertools import count
 
 import grpc
@@ -119,12 +120,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return drafter_pb2.StartResponse(num_started=len(request.items))
 
     @rpc_errors
-    def Step(self, request, context) -> drafter_pb2.StepResponse:
-        """Draft, verify through the verifier, learn (see the module docstring). Unary, one
+    def Step(self, request, context) -> Iterator[drafter_pb2.StepEvent]:
+        """Draft, verify through the verifier, learn (see the module docstring). One
         micro-batch a call like every RPC here: the caller's deadline bounds the whole step
         and a failed step is retried as a whole, directly (the verifier answers a retried
-        step again); a stream per lane would save no round trip (calls share one HTTP/2
-        connection) and would need a resume protocol of its own."""
+        step again). The reply streams two events: ``drafted`` once the trees exist (the
+        caller's proof that this drafter is not stuck), then ``response``."""
         arrived = time.monotonic()
         if self.verifier is None:
             raise out_of_step("this drafter has no verifier to verify through (--verifier)")
@@ -135,6 +136,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self._check_tokens([item.next_token for item in items])
         drafted = [item for item in items if item.draft]
         trees, quiet, starts, draft_seconds = self._draft(request, drafted, context, arrived)
+        yield drafter_pb2.StepEvent(drafted=drafter_pb2.StepDrafted(draft_seconds=draft_seconds))
         use_plane = bool(request.use_data_plane and self.receiver.plane is not None)
         use_plane = use_plane and self.receiver.plane.ready
         verify = verify_request(items, trees, self.drafter.needs_hidden, use_plane)
@@ -156,12 +158,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             )
             for item, result in zip(items, response.results, strict=True)
         ]
-        return drafter_pb2.StepResponse(
+        reply = drafter_pb2.StepResponse(
             results=results,
             draft_seconds=draft_seconds,
             forward_seconds=response.forward_seconds,
             used_data_plane=used_plane,
         )
+        yield drafter_pb2.StepEvent(response=reply)
 
     def _draft(
         self, request, drafted: list[drafter_pb2.StepItem], context, arrived: float

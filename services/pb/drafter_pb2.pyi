@@ -115,3 +115,17 @@ class StepResponse(_message.Message):
     forward_seconds: float
     used_data_plane: bool
     def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., draft_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., used_data_plane: _Optional[bool] = ...) -> None: ...
+
+class StepDrafted(_message.Message):
+    __slots__ = ("draft_seconds",)
+    DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    draft_seconds: float
+    def __init__(self, draft_seconds: _Optional[float] = ...) -> None: ...
+
+class StepEvent(_message.Message):
+    __slots__ = ("drafted", "response")
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    drafted: StepDrafted
+    response: StepResponse
+    def __init__(self, drafted: _Optional[_Union[StepDrafted, _Mapping]] = ..., response: _Optional[_Union[StepResponse, _Mapping]] = ...) -> None: ...

@@ -45,10 +45,10 @@ class DrafterStub:
                 request_serializer=lyanna_dot_v1_dot_drafter__pb2.StartRequest.SerializeToString,
                 response_deserializer=lyanna_dot_v1_dot_drafter__pb2.StartResponse.FromString,
                 _registered_method=True)
-        self.Step = channel.unary_unary(
+        self.Step = channel.unary_stream(
                 '/lyanna.v1.Drafter/Step',
                 request_serializer=lyanna_dot_v1_dot_drafter__pb2.StepRequest.SerializeToString,
-                response_deserializer=lyanna_dot_v1_dot_drafter__pb2.StepResponse.FromString,
+                response_deserializer=lyanna_dot_v1_dot_drafter__pb2.StepEvent.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/lyanna.v1.Drafter/Release',
@@ -77,6 +77,9 @@ class DrafterServicer:
         """One speculative step of a micro-batch: learn the verifications the caller ran without
         the drafter, draft each sequence's tree, verify them all in one Verify call to the
         verifier, learn the outcome and return it. One round trip on the caller's critical path.
+        Two events: `drafted` as soon as the trees exist (before the Verify call), then
+        `response`; a caller that sees no `drafted` within the draft deadline knows the drafter
+        is stuck, without waiting for a whole verification's deadline.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -101,10 +104,10 @@ def add_DrafterServicer_to_server(servicer, server):
                     request_deserializer=lyanna_dot_v1_dot_drafter__pb2.StartRequest.FromString,
                     response_serializer=lyanna_dot_v1_dot_drafter__pb2.StartResponse.SerializeToString,
             ),
-            'Step': grpc.unary_unary_rpc_method_handler(
+            'Step': grpc.unary_stream_rpc_method_handler(
                     servicer.Step,
                     request_deserializer=lyanna_dot_v1_dot_drafter__pb2.StepRequest.FromString,
-                    response_serializer=lyanna_dot_v1_dot_drafter__pb2.StepResponse.SerializeToString,
+                    response_serializer=lyanna_dot_v1_dot_drafter__pb2.StepEvent.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -187,12 +190,12 @@ class Drafter:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/lyanna.v1.Drafter/Step',
             lyanna_dot_v1_dot_drafter__pb2.StepRequest.SerializeToString,
-            lyanna_dot_v1_dot_drafter__pb2.StepResponse.FromString,
+            lyanna_dot_v1_dot_drafter__pb2.StepEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,7 +11,7 @@ import torch
 from gateway.backend import GenerationRequest, StepFacts
 from gateway.remote import RemoteBackend, RemoteConfig
 from lyanna.decode import generate
-from lyanna.drafters import Drafter
+from lyanna.drafters import DraftBudget, Drafter
 from lyanna.engine import EngineConfig, SpecEngine
 from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence
@@ -77,3 +77,17 @@ async def run_all(
 
 def run_remote(config: RemoteConfig, prompts, params: SamplingParams):
     return asyncio.run(run_all(config, prompts, params))
+
+
+BUDGET = DraftBudget(depth=4, top_k=2, max_tokens=6)
+# --tree fixed: the in-process references draft with BUDGET as it is; a cost-sized tree would
+# follow this machine's measured cost curve, which differs from run to run (a seeded sample
+# then differed from the engine's whenever the curve pruned a node)
+BUDGET_FLAGS = ("--depth", "4", "--top-k", "2", "--max-draft-tokens", "6", "--tree", "fixed")
+LYANNA_FLAGS = (*BUDGET_FLAGS, "--factory", "tests.services.tiny_drafters:tiny_lyanna")
+MAX_TOKENS = 24
+METRICS_PORTS: dict[str, int] = {}  # the ngram deployment's /metrics ports
+
+
+def config_for(deployment, **overrides) -> RemoteConfig:
+    return RemoteConfig(deployment.verifier_addr, deployment.drafter_addr, **overrides)

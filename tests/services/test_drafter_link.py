@@ -7,6 +7,7 @@ gated drafter's quiet steps cost no call and reach it in order with the next Ste
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -35,6 +36,7 @@ class ScriptedStub:
         self.errors: dict[str, list[AioRpcError]] = {}
         self.quiet = 0  # announce this many quiet steps with each result
         self.wrong_seq = False  # answer for another sequence (a misbehaving drafter)
+        self.events = "normal"  # normal | silent (a stuck drafter) | unordered
 
     async def _call(self, name: str, request):
         self.calls.append(name)
@@ -57,14 +59,39 @@ class ScriptedStub:
             return drafter_pb2.StepResponse(results=results)
         return common_pb2.ReleaseResponse()
 
-    async def Step(self, request, timeout):
-        return await self._call("Step", request)
+    def Step(self, request, timeout):
+        return ScriptedCall(self._call("Step", request), self.events)
 
     async def Start(self, request, timeout):
         return await self._call("Start", request)
 
     async def Release(self, request, timeout):
         return await self._call("Release", request)
+
+
+class ScriptedCall:
+    """A Step call's events as grpc.aio streams them: ``drafted``, then ``response``."""
+
+    def __init__(self, reply, events: str) -> None:
+        self.reply, self.events, self.sent, self.cancelled = reply, events, 0, False
+
+    async def read(self):
+        self.sent += 1
+        if self.events == "silent":
+            await asyncio.sleep(3600)  # drafting never ends
+        response = await self.reply if self.sent == 1 else self.response
+        if self.sent == 1:
+            self.response = response
+            if self.events == "unordered":
+                return drafter_pb2.StepEvent(response=response)
+            return drafter_pb2.StepEvent(drafted=drafter_pb2.StepDrafted(draft_seconds=0.01))
+        if self.sent == 2:
+            return drafter_pb2.StepEvent(response=response)
+        return grpc.aio.EOF
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
 
 
 def make_seq(seq_id: int = 1, method: str = "lyanna") -> RemoteSeq:
@@ -234,3 +261,28 @@ def test_a_missed_step_or_a_desync_forgets_quiet_steps(link_and_stub) -> None:
     seq.quiet_step = False  # a fallback step (not quiet) the drafter never saw
     direct(seq, link, 5)
     assert not seq.drafter_synced
+
+
+def test_a_silent_drafter_is_given_up_after_its_draft_deadline(link_and_stub) -> None:
+    """A drafter that never says `drafted` (hung, frozen) costs one draft deadline plus the
+    grace, not a whole step's deadline: the breaker opens and the sequence restarts later."""
+    link, stub = link_and_stub  # draft_deadline 1 s: given up after 2 s
+    seq = make_seq()
+    stub.events = "silent"
+    started = time.monotonic()
+    assert step(link, [seq]) is None
+    waited = time.monotonic() - started
+    assert link.hang_seconds <= waited < link.hang_seconds + 1.0 < link.step_deadline
+    assert not link.available and "DEADLINE_EXCEEDED" in link.status()
+    assert not seq.drafter_synced and seq.use_drafter  # restarted once the drafter is back
+    stub.events = "normal"
+    time.sleep(0.06)  # past drafter_retry_seconds
+    assert step(link, [seq]) is not None and link.available
+
+
+def test_step_events_out_of_order_are_never_trusted(link_and_stub) -> None:
+    link, stub = link_and_stub
+    seq = make_seq()
+    stub.events = "unordered"
+    assert step(link, [seq]) is None
+    assert not seq.drafter_synced and not link.available

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +36,23 @@ def test_drafter_past_its_deadline_falls_back(tiny_model_dir, tiny_loaded) -> No
     assert backend.num_fallback_steps == len(steps)
 
 
+def test_a_hung_drafter_costs_seconds_not_a_step_deadline(tiny_model_dir, tiny_loaded) -> None:
+    """A drafter stuck in drafting (its proposals take 60 s) never reports `drafted`: the
+    gateway gives up on it one draft deadline plus a second later, steps run target-only with
+    exactly the greedy output, and the whole request takes seconds, not minutes."""
+    env = {"LYANNA_TEST_PROPOSE_DELAY": "60"}
+    with launch(tiny_model_dir, "ngram", drafter_args=SLOW, env=env) as deployment:
+        config = RemoteConfig(deployment.verifier_addr, deployment.drafter_addr,
+                              draft_deadline=0.2, drafter_retry_seconds=30.0)  # fmt: skip
+        started = time.monotonic()
+        outcomes, backend = run_remote(config, PROMPTS[:1], SamplingParams(max_tokens=12))
+        elapsed = time.monotonic() - started
+    assert [o.tokens for o in outcomes] == plain_greedy(tiny_loaded, PROMPTS[:1], 12)
+    steps = [s for o in outcomes for s in o.steps]
+    assert steps and all(s.drafter_fallback and s.num_drafted == 0 for s in steps)
+    assert elapsed < 10.0  # one 1.2 s wait for the stuck Step, then target-only steps
+
+
 def test_sigterm_drains_in_flight_calls(tiny_model_dir) -> None:
     env = {"LYANNA_TEST_PROPOSE_DELAY": "1.5"}
     with launch(tiny_model_dir, "ngram", drafter_args=SLOW, env=env) as deployment:
@@ -48,14 +66,22 @@ def test_sigterm_drains_in_flight_calls(tiny_model_dir) -> None:
         )
         stub.Start(drafter_pb2.StartRequest(items=[start]), timeout=10)
         step = drafter_pb2.StepItem(ref=first.ref, next_token=first.first_token, draft=True)
-        in_flight = stub.Step.future(drafter_pb2.StepRequest(items=[step]), timeout=20)
+        replies: list = []
+        in_flight = threading.Thread(
+            target=lambda: replies.extend(
+                stub.Step(drafter_pb2.StepRequest(items=[step]), timeout=20)
+            )
+        )
+        in_flight.start()
         time.sleep(0.5)
         process = deployment.children["drafter"].process
         process.send_signal(signal.SIGTERM)
         time.sleep(0.8)  # the handler polls every 0.5 s
         with pytest.raises(grpc.RpcError):
             stub.Info(drafter_pb2.InfoRequest(), timeout=2)
-        answer = in_flight.result()  # drafted, verified through the verifier, answered
+        in_flight.join(20)  # drafted, verified through the verifier, answered
+        assert [r.WhichOneof("event") for r in replies] == ["drafted", "response"]
+        answer = replies[-1].response
         assert list(answer.results[0].verified.committed)[0] == first.first_token
         assert process.wait(15) == 0
 

@@ -76,7 +76,10 @@ def step_item(seq_id: int, committed: int, root: int, **fields) -> drafter_pb2.S
 
 def run_step(servicer, *items, context=None) -> drafter_pb2.StepResponse:
     request = drafter_pb2.StepRequest(items=list(items))
-    return servicer.Step(request, context or FakeContext())
+    drafted, last = servicer.Step(request, context or FakeContext())  # exactly two events
+    assert drafted.WhichOneof("event") == "drafted" and last.WhichOneof("event") == "response"
+    assert drafted.drafted.draft_seconds == last.response.draft_seconds
+    return last.response
 
 
 def test_one_step_call_drafts_verifies_and_learns(tiny_loaded) -> None:

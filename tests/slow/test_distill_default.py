@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from training.data import read_shard, shard_path
-from training.distill import DistillConfig, generate, materialize, read_ids_shard
+from training.distill import DistillConfig, generate, materialize
+from training.id_shards import read_ids_shard
 
 pytestmark = pytest.mark.slow
 

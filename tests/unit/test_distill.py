@@ -25,10 +25,9 @@ from training.distill import (
     generate_answers,
     is_held_out,
     plan_jobs,
-    read_ids_shard,
-    write_ids_shard,
 )
 from training.eagle import EagleTrainModel
+from training.id_shards import read_ids_shard, write_ids_shard
 from training.losses import FrozenTarget, composite_loss, target_rows
 from training.train import collate, hot_coverage, hot_vocabulary
 
