@@ -40,6 +40,7 @@ STATE_ERRORS = (
 REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
 MAX_QUIET_STEPS = 64  # the most quiet steps trusted from one result (the drafter's bound)
 HANG_GRACE_SECONDS = 1.0
+MAX_STUCK_BACKOFF_SECONDS = 60.0  # the longest wait before asking a stuck drafter again
 
 
 class DrafterLink:
@@ -61,10 +62,18 @@ class DrafterLink:
         self.num_step_calls = 0
         self._down_until = 0.0
         self._error = ""
+        # each try of a stuck drafter stalls its lane for hang_seconds, so consecutive stuck
+        # Steps back off (2x hang_seconds, doubling, capped); any answered Step resets it
+        self._stuck_backoff = 0.0
 
     @property
     def available(self) -> bool:
         return time.monotonic() >= self._down_until
+
+    @property
+    def retry_in(self) -> float:
+        """Seconds until the drafter is asked again (0 when it is in use)."""
+        return max(0.0, self._down_until - time.monotonic())
 
     def status(self) -> str:
         return "ok" if self.available else f"fallback: {self._error}"
@@ -131,6 +140,7 @@ class DrafterLink:
             for seq in ready:
                 seq.desync()
             return None
+        self._stuck_backoff = 0.0
         self.num_plane_transfers += response.used_data_plane
         for seq, result in zip(batch, response.results, strict=True):
             if id(seq) in drafted:
@@ -146,6 +156,9 @@ class DrafterLink:
             drafted = await asyncio.wait_for(call.read(), self.hang_seconds)
         except TimeoutError:
             call.cancel()
+            self._stuck_backoff = min(
+                MAX_STUCK_BACKOFF_SECONDS, max(2 * self.hang_seconds, 2 * self._stuck_backoff)
+            )
             raise _error(
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"nothing drafted in {self.hang_seconds:g} s"
             ) from None
@@ -224,7 +237,7 @@ class DrafterLink:
     def _unreachable(self, error: grpc.aio.AioRpcError) -> None:
         self.plane_ok = False  # a restarted drafter is not in the old process group
         self._error = error.code().name  # shown by /health: the details (peers) are logged
-        self._down_until = time.monotonic() + self.retry_seconds
+        self._down_until = time.monotonic() + max(self.retry_seconds, self._stuck_backoff)
         logger.warning(
             "drafter unavailable (%s: %s); target-only steps", self._error, error.details()
         )

@@ -14,6 +14,7 @@ import pytest
 import torch
 from grpc.aio import AioRpcError, Metadata
 
+from gateway import remote_drafter
 from gateway.remote_config import RemoteConfig
 from gateway.remote_drafter import DrafterLink
 from gateway.remote_seq import RemoteSeq
@@ -275,9 +276,29 @@ def test_a_silent_drafter_is_given_up_after_its_draft_deadline(link_and_stub) ->
     assert link.hang_seconds <= waited < link.hang_seconds + 1.0 < link.step_deadline
     assert not link.available and "DEADLINE_EXCEEDED" in link.status()
     assert not seq.drafter_synced and seq.use_drafter  # restarted once the drafter is back
+
+
+def test_a_stuck_drafter_is_asked_less_and_less_often(monkeypatch) -> None:
+    """Each try of a stuck drafter stalls the lane for its hang time, so the waits between
+    tries double (from twice the hang time, capped) until a Step is answered again; other
+    failures keep the plain retry interval."""
+    monkeypatch.setattr(remote_drafter, "HANG_GRACE_SECONDS", 0.02)
+    stub = ScriptedStub()
+    config = RemoteConfig("unused:1", "unused:2", draft_deadline=0.03, drafter_retry_seconds=0.01)
+    link, seq = DrafterLink(stub, config), make_seq()
+    stub.events = "silent"
+    waits = []
+    for _ in range(3):
+        assert step(link, [seq]) is None
+        waits.append(link.retry_in)
+        time.sleep(link.retry_in + 0.01)
+    assert waits[0] == pytest.approx(0.1, abs=0.02)  # 2 x (0.03 + 0.02)
+    assert waits[1] == pytest.approx(0.2, abs=0.02) and waits[2] == pytest.approx(0.4, abs=0.02)
     stub.events = "normal"
-    time.sleep(0.06)  # past drafter_retry_seconds
     assert step(link, [seq]) is not None and link.available
+    stub.errors["Step"] = [rpc_error(grpc.StatusCode.UNAVAILABLE)]
+    assert step(link, [seq]) is None
+    assert link.retry_in <= 0.01  # answered since: back to the plain interval
 
 
 def test_step_events_out_of_order_are_never_trusted(link_and_stub) -> None:
