@@ -11,11 +11,16 @@ rows draw from one device generator per group (seeded), so they are not the CPU 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
+from lyanna.kv_cache import KVCache
 from lyanna.model.transformer import Transformer
+
+if TYPE_CHECKING:  # training.distill imports this module
+    from training.distill import Answer, DistillConfig, Job
 
 PREFILL_ROWS = 64  # prompts per prefill forward (the causal mask is rows x width x width)
 
@@ -32,7 +37,9 @@ def choose_tokens(
     return torch.where(temperature > 0, sampled, greedy)
 
 
-def generate_static(model: Transformer, jobs, config, eos_id: int, seed: int = 0) -> Iterator:
+def generate_static(
+    model: Transformer, jobs: Iterable[Job], config: DistillConfig, eos_id: int, seed: int = 0
+) -> Iterator[Answer]:
     """Answers to ``jobs`` (``training.distill.Job``), ``config.batch_size`` at a time."""
     jobs = iter(jobs)
     for group_index in itertools.count():
@@ -43,8 +50,10 @@ def generate_static(model: Transformer, jobs, config, eos_id: int, seed: int = 0
 
 
 @torch.inference_mode()
-def _answer_group(model: Transformer, group: list, config, eos_id: int, seed: int) -> list:
-    from training.distill import Answer  # distill imports this module
+def _answer_group(
+    model: Transformer, group: list[Job], config: DistillConfig, eos_id: int, seed: int
+) -> list[Answer]:
+    from training.distill import Answer  # at call time: distill imports this module
 
     device = model.embed_tokens.weight.device
     group = sorted(group, key=lambda job: len(job.prompt_ids))  # similar widths per chunk
@@ -84,7 +93,9 @@ def _answer_group(model: Transformer, group: list, config, eos_id: int, seed: in
     return answers
 
 
-def _prefill(model: Transformer, group: list, cache, slots: torch.Tensor):
+def _prefill(
+    model: Transformer, group: list[Job], cache: KVCache, slots: torch.Tensor
+) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Every prompt into its slot, ``PREFILL_ROWS`` at a time (right-padded, causal): the
     prompts' hidden states (float16, CPU) and each prompt's last state (device)."""
     device = model.embed_tokens.weight.device
