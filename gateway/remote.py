@@ -159,7 +159,7 @@ class RemoteBackend(Admission):
             seq.deliver(TokenDelta([], finish_reason="abort"))
         if leftovers:
             await self._release(leftovers)
-        if self._drafter_releases:  # a second's grace: a stuck drafter's end with its channel
+        if self._drafter_releases:  # a second's grace; a stuck drafter's go with its channel
             await asyncio.wait(self._drafter_releases, timeout=1.0)
         for channel in self._channels:
             await channel.close()

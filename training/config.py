@@ -43,7 +43,7 @@ class TrainConfig:
     init_from: str = ""  # an exported checkpoint directory to start from (its hot vocabulary)
     amp: str = "none"  # none | bf16: autocast of the training forward (evaluation stays fp32)
     device: str = "cpu"  # cpu | cuda[:N]: where the draft model, batches and frozen target live
-    keep_best: bool = False  # export the weights of the best evaluation (held-out step-1 top-1)
+    keep_best: bool = False  # export the best evaluation's weights (train.selection_score)
     log_every: int = 10
     eval_every: int = 200
     ckpt_every: int = 100

@@ -3,17 +3,16 @@ hidden states that generation computes are kept (no second forward over the same
 
 Two outputs per run, one job each:
 
-- **token-id shards, in git** (``data/distill/<run>/ids-00000.safetensors`` + ``manifest.json``):
-  ``tokens`` uint16 [N] (prompt + answer of every sequence, concatenated), ``seq_starts`` int64
-  [S + 1], ``prompt_lens`` int32 [S], ``prompt_index`` int32 [S] (line of
-  ``train_prompts.jsonl``), ``temperature`` float32 [S] (0 = greedy). A few MB for millions of
-  tokens, so nobody regenerates them.
+- **token-id shards, in git** (``data/distill/<run>/ids-00000.safetensors`` + ``manifest.json``,
+  the format of ``training.id_shards``): a few MB for millions of tokens, so nobody
+  regenerates them.
 - **hidden-state shards, a cache** (``$LYANNA_CACHE/data/<run>/shard-00000.safetensors``, the
   ``training.data`` format every trainer reads): written by generation; ``materialize`` rebuilds
   missing ones from the ids by batched prefill.
 
-Generation is continuous batching over one KV cache: a finished sequence's slot takes the next
-prompt at once, so the batch stays full until the queue runs dry. Shard k holds the k-th group of
+Generation is continuous batching over one KV cache on a CPU: a finished sequence's slot takes
+the next prompt at once, so the batch stays full until the queue runs dry (``--engine static``,
+for a GPU: ``training.static_batch``). Shard k holds the k-th group of
 ``prompts_per_shard`` prompts of the split (file order), so a rerun skips finished shards.
 A share of prompts (``sampled_fraction``, chosen per prompt from the seed) is answered by
 sampling at a temperature drawn from ``temperature_range``, so sampling-mode drafting sees

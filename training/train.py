@@ -246,6 +246,7 @@ def _optimise(config, target, target_config, train_seqs, val_seqs, init, coverag
     tokens_seen = 0
     last: dict[str, float] = {}
     best: tuple[float, int, dict[str, float], dict[str, torch.Tensor]] | None = None
+    val: dict[str, float] | None = None
     model.train()
     while step < config.max_steps:
         if consumed >= len(plan):
@@ -275,6 +276,7 @@ def _optimise(config, target, target_config, train_seqs, val_seqs, init, coverag
             print(json.dumps(entry), flush=True)
             log.write(json.dumps(entry) + "\n")
         out_of_time = config.max_minutes and elapsed > 60 * config.max_minutes
+        val = None  # the held-out metrics of this step's weights, once evaluated
         if step % config.eval_every == 0:
             val = evaluate(model, val_batches)
             print(json.dumps({"step": step, "val": val}), flush=True)
@@ -286,7 +288,8 @@ def _optimise(config, target, target_config, train_seqs, val_seqs, init, coverag
             save_state(work / STATE, model, optimizer, step, config)
         if out_of_time:
             break
-    val = evaluate(model, val_batches)
+    if val is None:  # (the loop's last step may have been evaluated already)
+        val = evaluate(model, val_batches)
     kept = {"step": step, "val": val}
     if best is not None and best[0] > selection_score(val):
         model.load_state_dict(best[3])
