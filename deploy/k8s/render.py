@@ -4,7 +4,8 @@ use (so CI checks the composed objects without a kustomize binary):
 - ``resources``: YAML files and directories holding a ``kustomization.yaml`` (recursively);
 - ``namespace``: set on every namespaced object;
 - ``labels`` with ``pairs`` (``includeSelectors: false``): added to every object's labels;
-- ``images``: ``name`` -> ``newName`` / ``newTag`` / ``digest`` in (init) containers;
+- ``images``: ``name`` -> ``newName`` / ``newTag`` / ``digest`` in (init) containers (an
+  overlay of an overlay matches the names the inner one set);
 - ``patches``: RFC 6902 JSON patches (a YAML list of operations in ``path``) applied to the
   objects their ``target`` (``kind`` and ``name``) selects.
 
@@ -32,8 +33,18 @@ def _load(path: Path) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
+def _split_image(reference: str) -> tuple[str, str]:
+    """``reference`` as its name and its ``:tag`` / ``@digest`` suffix (a registry's
+    ``host:port`` stays in the name)."""
+    name, at, digest = reference.partition("@")
+    head, _, tag = name.rpartition(":")
+    if head and "/" not in tag:
+        return head, f":{tag}{at}{digest}"
+    return name, f"{at}{digest}"
+
+
 def _set_image(container: dict, images: list[dict]) -> None:
-    name = container["image"].split("@")[0].split(":")[0]
+    name, suffix = _split_image(container["image"])
     for image in images:
         if image["name"] != name:
             continue
@@ -42,6 +53,8 @@ def _set_image(container: dict, images: list[dict]) -> None:
             reference += f"@{image['digest']}"
         elif "newTag" in image:
             reference += f":{image['newTag']}"
+        else:  # a new name only: the tag or digest stays, as kustomize keeps it
+            reference += suffix
         container["image"] = reference
 
 

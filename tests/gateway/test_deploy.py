@@ -2,10 +2,14 @@
 selectors match pod labels, Services target declared container ports, the gateway reaches the
 services by their Service names, every setting in the ConfigMap is accepted by the config
 classes of the process that reads it) and every Grafana query names a metric of the
-gateway's registry."""
+gateway's registry. Where a kustomize binary is installed (kubectl's counts), it composes the
+overlays as ``deploy.k8s.render`` does; docs/deploy.md and deploy/k8s/README.md name only
+paths, modules, flags, settings and objects that exist."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -18,11 +22,13 @@ from pathlib import Path
 import jsonschema
 import kubernetes_validate
 import pytest
+import yaml
 from yamllint import linter as yamllint_linter
 from yamllint.config import YamlLintConfig
 
 from deploy.grafana import dashboard as grafana_dashboard
 from deploy.k8s.render import render
+from gateway import cli as gateway_cli
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from services.config import ServerConfig, parse_configs
@@ -106,6 +112,67 @@ def test_gpu_pools_and_placement(overlay: str) -> None:
         }
     gateway = pod_of(docs[("Deployment", "lyanna-gateway")])
     assert "nvidia.com/gpu" not in gateway["containers"][0]["resources"]["limits"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_model_volume_binds_where_the_overlay_runs(overlay: str) -> None:
+    """One node (cpu: kind, a laptop) claims ReadWriteOnce, which kind's default local-path
+    class offers (it refuses ReadWriteMany); the GPU pools' pods share it across nodes."""
+    claim = documents(overlay)[("PersistentVolumeClaim", "lyanna-models")]
+    mode = "ReadWriteOnce" if overlay == "cpu" else "ReadWriteMany"
+    assert claim["spec"]["accessModes"] == [mode]
+
+
+DIGEST = "sha256:" + "0" * 63 + "1"
+PINNED = f"""apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources: [../h800]
+images:
+  - name: registry.example.com/lyanna/lyanna-services
+    newName: localhost:5001/lyanna/lyanna-services
+    digest: {DIGEST}
+  - name: registry.example.com/lyanna/lyanna-gateway
+    newName: localhost:5001/lyanna/lyanna-gateway
+"""
+
+
+def kustomize() -> list[str] | None:
+    """A kustomize binary's build command (kubectl's built-in one counts), if installed."""
+    if shutil.which("kustomize"):
+        return ["kustomize", "build"]
+    if shutil.which("kubectl"):
+        return ["kubectl", "kustomize"]
+    return None
+
+
+@pytest.mark.parametrize("overlay", (*OVERLAYS, "pinned"))
+def test_render_matches_the_kustomize_binary(overlay: str, tmp_path) -> None:
+    """Where a kustomize binary is installed, it composes every overlay, and an operator's own
+    one over h800 that renames the images to a registry with a port and pins one by digest
+    (docs/deploy.md), into exactly the objects ``deploy.k8s.render`` composes."""
+    command = kustomize()
+    if command is None:
+        pytest.skip("no kustomize or kubectl binary: deploy.k8s.render alone is checked")
+    shutil.copytree(DEPLOY / "k8s", tmp_path / "k8s")
+    (tmp_path / "k8s" / "overlays" / "pinned").mkdir()
+    (tmp_path / "k8s" / "overlays" / "pinned" / "kustomization.yaml").write_text(PINNED)
+    directory = tmp_path / "k8s" / "overlays" / overlay
+    built = subprocess.run([*command, str(directory)], capture_output=True, text=True, timeout=60)
+    assert built.returncode == 0, built.stderr
+    theirs = [doc for doc in yaml.safe_load_all(built.stdout) if doc]
+    ours = {(doc["kind"], doc["metadata"]["name"]): doc for doc in render(directory)}
+    assert {(doc["kind"], doc["metadata"]["name"]): doc for doc in theirs} == ours
+    if overlay == "pinned":
+        images = {
+            c["image"]
+            for doc in ours.values()
+            if doc["kind"] in ("Deployment", "Job")
+            for c in (*pod_of(doc).get("initContainers", []), *pod_of(doc)["containers"])
+        }
+        assert images == {
+            f"localhost:5001/lyanna/lyanna-services@{DIGEST}",
+            "localhost:5001/lyanna/lyanna-gateway:0.1.0",  # a new name only keeps the tag
+        }
 
 
 def test_pods_are_locked_down_bounded_and_read_the_model_volume() -> None:
@@ -194,6 +261,28 @@ def test_monitoring_objects_scrape_every_process_and_carry_the_generated_files()
     )
     rule = docs[("PrometheusRule", "lyanna")]
     assert rule["spec"]["groups"]
+
+
+def test_the_helm_values_wire_the_monitoring_objects() -> None:
+    """The Helm values docs/deploy.md installs with: Prometheus takes the unlabelled
+    ServiceMonitors and rules, Grafana's sidecar finds the dashboard ConfigMap by its label in
+    any namespace, and prometheus-adapter serves the autoscaler's metric per pod."""
+    docs = documents()
+    values = {
+        name: yaml.safe_load((DEPLOY / "prometheus" / f"{name}.values.yaml").read_text())
+        for name in ("kube-prometheus-stack", "prometheus-adapter")
+    }
+    spec = values["kube-prometheus-stack"]["prometheus"]["prometheusSpec"]
+    assert spec["serviceMonitorSelectorNilUsesHelmValues"] is False
+    assert spec["ruleSelectorNilUsesHelmValues"] is False
+    sidecar = values["kube-prometheus-stack"]["grafana"]["sidecar"]["dashboards"]
+    labels = docs[("ConfigMap", "lyanna-dashboard")]["metadata"]["labels"]
+    assert labels[sidecar["label"]] == sidecar["labelValue"] and sidecar["searchNamespace"] == "ALL"
+    hpa = docs[("HorizontalPodAutoscaler", "lyanna-gateway")]["spec"]["metrics"][0]
+    (rule,) = values["prometheus-adapter"]["rules"]["custom"]
+    assert hpa["type"] == "Pods" and rule["name"]["as"] == hpa["pods"]["metric"]["name"]
+    assert rule["seriesQuery"].startswith(hpa["pods"]["metric"]["name"] + "{")
+    assert rule["resources"]["overrides"]["pod"] == {"resource": "pod"}
 
 
 def test_every_manifest_passes_yamllint() -> None:
@@ -372,3 +461,53 @@ def test_the_operator_schemas_refuse_what_the_api_server_would_drop_or_reject() 
         node[key] = value
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(copy, operator_schemas.SCHEMAS[kind])
+
+
+DEPLOY_DOCS = (DEPLOY.parent / "docs" / "deploy.md", DEPLOY / "k8s" / "README.md")
+KUBECTL_KINDS = {
+    "job": "Job",
+    "deployment": "Deployment",
+    "svc": "Service",
+    "hpa": "HorizontalPodAutoscaler",
+    "pvc": "PersistentVolumeClaim",
+}
+
+
+def known_variables() -> set[str]:
+    """Every ``LYANNA_*`` variable a process or image reads."""
+
+    def names(prefix: str, *classes: type) -> set[str]:
+        return {prefix + f.name.upper() for c in classes for f in dataclasses.fields(c)}
+
+    return (
+        names("LYANNA_", GatewayConfig)
+        | names("LYANNA_VERIFIER_", ServerConfig, VerifierConfig)
+        | names("LYANNA_DRAFTER_", ServerConfig, DrafterConfig)
+        | set(documents()[("ConfigMap", "lyanna-config")]["data"])
+        | {"LYANNA_CACHE", "LYANNA_CHECKPOINTS", "LYANNA_NATIVE_DIR"}
+    )
+
+
+@pytest.mark.parametrize("doc", DEPLOY_DOCS, ids=lambda p: p.name)
+def test_the_deploy_docs_name_only_what_exists(doc: Path) -> None:
+    """The operator walk-through and the manifests' reference name only repository paths,
+    ``python -m`` modules, ``lyanna`` flags, settings and objects that exist."""
+    repo, text = DEPLOY.parent, doc.read_text()
+    for path in re.findall(r"\b((?:deploy|docs|tests|bench)/[\w./-]*\w)", text):
+        if not path.startswith("deploy/k8s/overlays/prod"):  # the operator's own overlay
+            assert (repo / path).exists(), path
+    for module in re.findall(r"python -m ([\w.]+)", text):
+        assert importlib.util.find_spec(module) is not None, module
+    subcommands = next(a for a in gateway_cli.build_parser()._actions if a.dest == "command")
+    for command, rest in re.findall(r"\blyanna (fetch-model|generate|serve|chat)\b(.*)", text):
+        accepted = subcommands.choices[command]._option_string_actions
+        for flag in re.findall(r"(?<![\w-])--[a-z][\w-]*", rest.split("`")[0]):
+            assert flag in accepted, (command, flag)
+    known = known_variables()
+    for variable in re.findall(r"\bLYANNA_[A-Z][A-Z_]*", text):
+        assert any(name.startswith(variable) for name in known), variable
+    objects = set(documents("h800"))
+    for kind, name in re.findall(r"\b(job|deployment|svc|hpa|pvc)[/ ](lyanna-[\w-]+)", text):
+        assert (KUBECTL_KINDS[kind], name) in objects, (kind, name)
+    for name in re.findall(r"app\.kubernetes\.io/name=(lyanna-[\w-]+)", text):
+        assert ("Deployment", name) in objects, name
