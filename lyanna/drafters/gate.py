@@ -16,7 +16,10 @@ plain decoding with an occasional probe instead of a speculative method slower t
 A new sequence starts from what the drafter's earlier sequences of the same kind (greedy or
 sampled) accepted, not from an optimistic constant: at T = 1, where nothing a drafter of
 today proposes pays, each 64-token request used to spend its first steps drafting at a loss
-before its own average fell.
+before its own average fell. It also starts at the probe interval the last sequence of its
+kind ended with, so where probes keep failing a new request does not pay for the short early
+probes again (its first probe after 32 plain steps instead of after 4, 8 and 16); the first
+probe that pays resets the interval for the sequences after it.
 
 A gated-off sequence stays off until its probe is due, so the steps it will not draft are
 known in advance (``quiet_steps``): a caller across a process boundary (the gateway in front
@@ -87,17 +90,21 @@ class DraftGate:
         self.population = {False: self.config.prior, True: self.config.prior}
         # ... per step drafted by a free fallback instead (0 without one)
         self.fallback_population = {False: 0.0, True: 0.0}
+        # the probe interval the last released sequence of a kind had: where new ones start
+        self.population_probe = {False: self.config.probe_after, True: self.config.probe_after}
 
     def start(self, seq_id: int, sampled: bool = False) -> None:
         self._seqs[seq_id] = _SeqGate(
             self.population[sampled],
             self.fallback_population[sampled],
-            probe_after=self.config.probe_after,
+            probe_after=self.population_probe[sampled],
             sampled=sampled,
         )
 
     def release(self, seq_id: int) -> None:
-        self._seqs.pop(seq_id, None)
+        gate = self._seqs.pop(seq_id, None)
+        if gate is not None:
+            self.population_probe[gate.sampled] = gate.probe_after
 
     def pays(self, seq_id: int, batch: int) -> bool:
         """Whether drafting ``seq_id`` raises the step's expected tokens per second over what

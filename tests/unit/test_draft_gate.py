@@ -80,17 +80,42 @@ def test_a_new_sequence_starts_from_what_earlier_ones_of_its_kind_accepted() -> 
     starts gated off (drafting only its probes), while a greedy one, whose kind has shown
     nothing yet, still starts from the prior and drafts."""
     gate = DraftGate(HALF_STEP_ROW, GateConfig(population_alpha=0.2))
-    for seq_id in range(5):
+    for seq_id in range(10):
         gate.start(seq_id, sampled=True)
-        for _ in range(20):
+        for _ in range(40):
             (chosen,) = gate.choose([seq_id])
             gate.verified(seq_id, 0)
         gate.release(seq_id)
     assert gate.population[True] < 0.2 and gate.population[False] == GateConfig().prior
     gate.start(10, sampled=True)
     gate.start(11, sampled=False)
-    assert gate.choose([10]) == [False] and gate.quiet_steps(10) == GateConfig().probe_after - 1
-    assert gate.choose([11]) == [True]
+    assert gate.choose([10]) == [False] and gate.choose([11]) == [True]
+
+
+def test_a_new_sequence_starts_at_the_probe_interval_its_kind_last_ended_with() -> None:
+    """Where probes keep failing, each sampled request doubles its wait between probes; the
+    next one starts at the longest wait, not at 4 again. A probe that pays resets the wait,
+    for its own sequence and the next ones; greedy sequences keep their own interval."""
+    config = GateConfig(alpha=0.3, prior=0.0, probe_after=4, probe_max=32)
+    gate = DraftGate(HALF_STEP_ROW, config)
+
+    def run(seq_id: int, accepted: int, steps: int) -> list[int]:
+        gate.start(seq_id, sampled=True)
+        drafted = []
+        for step in range(steps):
+            (chosen,) = gate.choose([seq_id])
+            drafted += [step] * chosen
+            gate.verified(seq_id, accepted if chosen else 0)
+        gate.release(seq_id)
+        return drafted
+
+    assert run(0, 0, 100) == [4, 13, 30, 63, 96]  # waits of 4, 8, 16, 32, 32
+    assert run(1, 0, 100) == [32, 65, 98]  # starts where sequence 0 ended
+    gate.start(2, sampled=False)
+    assert gate.choose([2]) == [False] and gate.quiet_steps(2) == config.probe_after - 1
+    assert run(3, 2, 40)[:2] == [32, 33]  # its probe pays: it drafts on ...
+    # ... the next sequence starts drafting (its kind's drafts paid), then probes early again
+    assert run(4, 0, 10) == [0, 5]
 
 
 def test_draft_time_raises_the_bar() -> None:
