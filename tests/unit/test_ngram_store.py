@@ -26,6 +26,7 @@ from lyanna.engine import EngineConfig, SpecEngine
 from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence
 from tests.conftest import make_tiny_model
+from training.ngram_store import DATA_ROOT as DISTILL_DATA
 
 
 def naive_counts(sequences, max_n):
@@ -122,7 +123,10 @@ def test_bad_corpus_and_config_are_refused() -> None:
 def test_committed_store_is_checked_and_comes_from_training_runs_only() -> None:
     path = checkpoint_dir(DEFAULT_STORE)
     manifest = json.loads((path / "manifest.json").read_text())
-    assert set(manifest["data"]) == {"distill-v1"}  # never the held-out run or Spec-Bench
+    assert manifest["data"] and "distill-heldout-v1" not in manifest["data"]
+    for run in manifest["data"]:  # training-split runs only: never held-out or Spec-Bench
+        recipe = json.loads((DISTILL_DATA / run / "manifest.json").read_text())
+        assert recipe["config"]["split"] == "train", run
     assert manifest["metrics"]["distill-heldout-v1"]["top1"] > 0.25
     store = load_default_store(49152)
     assert store is not None and len(store) == manifest["num_contexts"]
