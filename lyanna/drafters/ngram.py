@@ -36,12 +36,17 @@ MAX_MATCHES = 64  # most recent occurrences of the suffix that feed the trie
 # text alone accepted 1.32 tokens per step, its 2+ token matches and then the store 1.45
 HISTORY_MIN_N = 2
 HISTORY, STORE = 0, 1  # where a sequence's last draft came from
+# a sampled sequence's drafts stop at this depth: at T = 1 a chain's later tokens are accepted
+# too rarely for their rows (26 Spec-Bench prompts on the 4-bit engine, depth-3 chains: tau
+# 1.17 -> 1.22 but 1.00x -> 0.95x AR; greedy 1.21-1.27x -> 1.35x; docs/benchmarks.md)
+SAMPLED_DEPTH = 1
 
 
 @dataclass(slots=True)
 class _History:
     tokens: list[int]
     index: defaultdict[tuple[int, ...], list[int]]  # n-gram -> positions right after it
+    depth: int  # deepest draft: the budget's, or SAMPLED_DEPTH when the sequence samples
 
 
 class NgramDrafter:
@@ -65,7 +70,8 @@ class NgramDrafter:
         return self.calibrations[HISTORY]
 
     def start(self, seq_id, prompt_ids, prompt_hidden, first_token, params=None) -> None:
-        history = _History([], defaultdict(list))
+        depth = self.budget.depth if params is None or params.greedy else SAMPLED_DEPTH
+        history = _History([], defaultdict(list), min(depth, self.budget.depth))
         self._seqs[seq_id] = history
         self._extend(history, [*prompt_ids, first_token])
 
@@ -110,7 +116,7 @@ class NgramDrafter:
         starts: list[int] = []
         for n in range(min(self.max_n, end), 0, -1):
             if n < HISTORY_MIN_N and self.store is not None:
-                from_store = self._from_store(tokens)
+                from_store = self._from_store(tokens, history.depth)
                 if from_store is not None:
                     return from_store, STORE
             starts = [p for p in history.index.get(tuple(tokens[end - n :]), ()) if p < end]
@@ -118,11 +124,10 @@ class NgramDrafter:
                 break
         if not starts:
             return DraftNodes([root], [-1], [1.0]), HISTORY
-        depth = self.budget.depth
-        continuations = [tokens[p : p + depth] for p in starts[-MAX_MATCHES:]]
+        continuations = [tokens[p : p + history.depth] for p in starts[-MAX_MATCHES:]]
         return self._trie(root, continuations), HISTORY
 
-    def _from_store(self, tokens: list[int]) -> DraftNodes | None:
+    def _from_store(self, tokens: list[int], depth: int) -> DraftNodes | None:
         """The store's continuations, best-first by joint share: each expanded node looks
         up its own context (the history plus the path to it), at most ``max_tokens``
         expansions, ``top_k`` children each, down to ``depth``."""
@@ -146,7 +151,7 @@ class NgramDrafter:
                 probs.append(share)
                 joint.append(joint[node] * share)
                 paths.append([*paths[node], token])
-                if len(paths[child]) < budget.depth:
+                if len(paths[child]) < depth:
                     more = store.continuations((context + paths[child])[-store.config.max_n :])
                     if more is not None:
                         heapq.heappush(frontier, (-joint[child], child, more))

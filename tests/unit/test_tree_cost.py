@@ -203,8 +203,9 @@ def test_calibration_learns_what_predicted_gains_are_worth() -> None:
 
 def test_a_4bit_target_drafts_one_token_by_default_everywhere(tmp_path, monkeypatch) -> None:
     """The 4-bit engine's verification cost is steep, so serve, the drafter service and
-    spec_bench all default to the measured one-token shape there, and to the deep shape on
-    a target whose verification is flat."""
+    spec_bench all default to the measured one-token shape there (n-gram: a chain of up to
+    3, which costs no forward), and to the deep shape on a target whose verification is
+    flat."""
     import argparse
 
     from bench.common import method_budget
@@ -223,7 +224,8 @@ def test_a_4bit_target_drafts_one_token_by_default_everywhere(tmp_path, monkeypa
     for method in ("eagle", "lyanna", "ngram"):
         deep, one = default_budget(method, dense), default_budget(method, q4)
         assert deep == DEFAULT_BUDGETS[method] and deep.max_tokens > 1
-        assert (one.depth, one.top_k, one.max_tokens) == (1, 1, 1)
+        chain = 3 if method == "ngram" else 1
+        assert (one.depth, one.top_k, one.max_tokens) == (chain, 1, chain)
         assert tree_budget(method, q4, "fixed") == one
         assert DrafterConfig(method=method, tree="fixed").budget(q4) == one
         assert method_budget(flags, method, q4) == one
