@@ -104,9 +104,10 @@ DEFAULT_BUDGETS: Mapping[str, DraftBudget] = MappingProxyType(
 )
 ONE_TOKEN = DraftBudget(depth=1, top_k=1, max_tokens=1)
 # n-gram chains cost no forward to draft, and the target's text repeats in runs: a chain of
-# up to 3 cut by the cost curve measured 1.35x AR against 1.21-1.27x with one token (greedy;
-# tau 1.69 against 1.44; depth 5: 1.30x), so the n-gram drafters, and the learned drafters'
-# n-gram fallback, chain on a 4-bit target too (sampled sequences draft one token:
+# up to 3 cut by the cost curve measured 1.21-1.35x AR (mean 1.31x over four paired runs)
+# against 1.21-1.29x (1.26x) with one token (greedy; tau 1.69 against 1.44; depth 5: 1.30x;
+# the chain lost only in the host's fastest state), so the n-gram drafters, and the learned
+# drafters' n-gram fallback, chain on a 4-bit target too (sampled sequences draft one token:
 # ``lyanna.drafters.ngram.SAMPLED_DEPTH``)
 NGRAM_CHAIN = DraftBudget(depth=3, top_k=1, max_tokens=3)
 STEEP_COST_BUDGETS: Mapping[str, DraftBudget] = MappingProxyType(

@@ -38,7 +38,7 @@ HISTORY_MIN_N = 2
 HISTORY, STORE = 0, 1  # where a sequence's last draft came from
 # a sampled sequence's drafts stop at this depth: at T = 1 a chain's later tokens are accepted
 # too rarely for their rows (26 Spec-Bench prompts on the 4-bit engine, depth-3 chains: tau
-# 1.17 -> 1.22 but 1.00x -> 0.95x AR; greedy 1.21-1.27x -> 1.35x; docs/benchmarks.md)
+# 1.17 -> 1.22 but 1.00x -> 0.95x AR, where greedy gained 1.26x -> 1.31x; docs/benchmarks.md)
 SAMPLED_DEPTH = 1
 
 
