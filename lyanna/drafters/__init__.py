@@ -107,9 +107,10 @@ ONE_TOKEN = DraftBudget(depth=1, top_k=1, max_tokens=1)
 # up to 3 cut by the cost curve measured 1.21-1.35x AR (mean 1.31x over four paired runs)
 # against 1.21-1.29x (1.26x) with one token (greedy; tau 1.69 against 1.44; depth 5: 1.30x;
 # the chain lost only in the host's fastest state), so the n-gram drafters, and the learned
-# drafters' n-gram fallback, chain on a 4-bit target too (sampled sequences draft one token:
-# ``lyanna.drafters.ngram.SAMPLED_DEPTH``)
-NGRAM_CHAIN = DraftBudget(depth=3, top_k=1, max_tokens=3)
+# drafters' n-gram fallback, chain on a 4-bit target too. Sampled sequences draft one token:
+# at T = 1 the chain's later tokens are accepted too rarely for their rows (tau 1.17 -> 1.22
+# but 1.00x -> 0.95x AR; docs/benchmarks.md, "N-gram chains on the 4-bit engine")
+NGRAM_CHAIN = DraftBudget(depth=3, top_k=1, max_tokens=3, sampled_depth=1)
 STEEP_COST_BUDGETS: Mapping[str, DraftBudget] = MappingProxyType(
     {**dict.fromkeys(DEFAULT_BUDGETS, ONE_TOKEN), "ngram": NGRAM_CHAIN, "ngram-prompt": NGRAM_CHAIN}
 )

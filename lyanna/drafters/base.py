@@ -31,10 +31,20 @@ class DraftBudget:
     # the target's forward cost by rows: when set, each step keeps only the nodes that pay
     # for their verification (at most max_tokens); None = always max_tokens (EAGLE-2)
     cost: VerifyCost | None = None
+    # maximum draft depth of a sampled (T > 0) sequence, 0 = ``depth``; read by the n-gram
+    # drafter, whose later chain tokens a sampled continuation accepts too rarely on a 4-bit
+    # target (``lyanna.drafters.NGRAM_CHAIN``)
+    sampled_depth: int = 0
 
     def __post_init__(self) -> None:
-        if self.depth < 1 or self.top_k < 1 or self.max_tokens < 1:
-            raise ValueError("depth, top_k and max_tokens must be >= 1")
+        if self.depth < 1 or self.top_k < 1 or self.max_tokens < 1 or self.sampled_depth < 0:
+            raise ValueError("depth, top_k and max_tokens must be >= 1, sampled_depth >= 0")
+
+    def depth_for(self, greedy: bool) -> int:
+        """The deepest draft of a greedy or a sampled sequence."""
+        if greedy or not self.sampled_depth:
+            return self.depth
+        return min(self.sampled_depth, self.depth)
 
     def prune(
         self,

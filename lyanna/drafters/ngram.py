@@ -36,17 +36,13 @@ MAX_MATCHES = 64  # most recent occurrences of the suffix that feed the trie
 # text alone accepted 1.32 tokens per step, its 2+ token matches and then the store 1.45
 HISTORY_MIN_N = 2
 HISTORY, STORE = 0, 1  # where a sequence's last draft came from
-# a sampled sequence's drafts stop at this depth: at T = 1 a chain's later tokens are accepted
-# too rarely for their rows (26 Spec-Bench prompts on the 4-bit engine, depth-3 chains: tau
-# 1.17 -> 1.22 but 1.00x -> 0.95x AR, where greedy gained 1.26x -> 1.31x; docs/benchmarks.md)
-SAMPLED_DEPTH = 1
 
 
 @dataclass(slots=True)
 class _History:
     tokens: list[int]
     index: defaultdict[tuple[int, ...], list[int]]  # n-gram -> positions right after it
-    depth: int  # deepest draft: the budget's, or SAMPLED_DEPTH when the sequence samples
+    depth: int  # deepest draft (``DraftBudget.depth_for``: a sampled sequence's may be less)
 
 
 class NgramDrafter:
@@ -70,8 +66,8 @@ class NgramDrafter:
         return self.calibrations[HISTORY]
 
     def start(self, seq_id, prompt_ids, prompt_hidden, first_token, params=None) -> None:
-        depth = self.budget.depth if params is None or params.greedy else SAMPLED_DEPTH
-        history = _History([], defaultdict(list), min(depth, self.budget.depth))
+        depth = self.budget.depth_for(params is None or params.greedy)
+        history = _History([], defaultdict(list), depth)
         self._seqs[seq_id] = history
         self._extend(history, [*prompt_ids, first_token])
 

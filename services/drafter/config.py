@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -95,11 +95,8 @@ class DrafterConfig:
         """The tree shape: the method's default (for ``model``'s engine) with the fields set
         here on top."""
         base = default_budget(self.method, model)
-        return DraftBudget(
-            base.depth if self.depth is None else self.depth,
-            base.top_k if self.top_k is None else self.top_k,
-            base.max_tokens if self.max_draft_tokens is None else self.max_draft_tokens,
-        )
+        given = {"depth": self.depth, "top_k": self.top_k, "max_tokens": self.max_draft_tokens}
+        return replace(base, **{k: v for k, v in given.items() if v is not None})
 
     def budget(self, model: Transformer) -> DraftBudget:
         """The shape, with the target's cost curve for ``tree='cost'``."""

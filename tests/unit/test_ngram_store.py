@@ -207,27 +207,22 @@ def test_committed_store_rebuilds_from_its_recipe(tmp_path) -> None:
     assert (tmp_path / STORE_FILE).read_bytes() == (committed / STORE_FILE).read_bytes()
 
 
-def test_sampled_sequences_draft_one_token_greedy_ones_the_whole_chain() -> None:
-    """At T > 0 a chain's later tokens did not pay (docs/benchmarks.md): a sampled sequence
-    drafts ``SAMPLED_DEPTH`` tokens where a greedy one with the same text drafts the
-    budget's depth, from the request's text and from the store alike."""
-    from lyanna.drafters.ngram import SAMPLED_DEPTH
-
-    chain = DraftBudget(depth=3, top_k=1, max_tokens=3)
+def test_sampled_sequences_draft_to_the_budgets_sampled_depth() -> None:
+    """A budget's ``sampled_depth`` caps a sampled sequence's drafts where a greedy one with
+    the same text drafts the whole chain, from the request's text and from the store alike;
+    without it a sampled sequence drafts as deep as a greedy one."""
     store = NgramStore.build(
         [([7, 8, 9, 6, 5], 0)] * 3, StoreConfig(max_n=2, min_count=1, top_k=1, vocab_size=10)
     )
-    drafter = make_drafter(store, chain)
     repeat = [1, 2, 3, 4, 1, 2]  # "1 2" occurred before: the request's text drafts 3 4 1
     sampled = SamplingParams(temperature=1.0, max_tokens=8)
-    drafter.start(0, repeat, None, 3)
-    drafter.start(1, repeat, None, 3, sampled)
-    drafter.start(2, [0], None, 7)  # no repeat: the store drafts 8 9 6
-    drafter.start(3, [0], None, 7, sampled)
-    trees = drafter.propose([0, 1, 2, 3])
-    assert [t.tokens.tolist() for t in trees] == [
-        [3, 4, 1, 2],
-        [3, 4][: 1 + SAMPLED_DEPTH],
-        [7, 8, 9, 6],
-        [7, 8][: 1 + SAMPLED_DEPTH],
-    ]
+    for sampled_depth, expected in ((1, [[3, 4], [7, 8]]), (0, [[3, 4, 1, 2], [7, 8, 9, 6]])):
+        chain = DraftBudget(depth=3, top_k=1, max_tokens=3, sampled_depth=sampled_depth)
+        drafter = make_drafter(store, chain)
+        drafter.start(0, repeat, None, 3)
+        drafter.start(1, repeat, None, 3, sampled)
+        drafter.start(2, [0], None, 7)  # no repeat: the store drafts 8 9 6
+        drafter.start(3, [0], None, 7, sampled)
+        trees = [t.tokens.tolist() for t in drafter.propose([0, 1, 2, 3])]
+        assert trees[0] == [3, 4, 1, 2] and trees[2] == [7, 8, 9, 6]  # greedy: the chain
+        assert [trees[1], trees[3]] == expected

@@ -226,6 +226,7 @@ def test_a_4bit_target_drafts_one_token_by_default_everywhere(tmp_path, monkeypa
         assert deep == DEFAULT_BUDGETS[method] and deep.max_tokens > 1
         chain = 3 if method == "ngram" else 1
         assert (one.depth, one.top_k, one.max_tokens) == (chain, 1, chain)
+        assert one.depth_for(greedy=False) == 1 and deep.depth_for(greedy=False) == deep.depth
         assert tree_budget(method, q4, "fixed") == one
         assert DrafterConfig(method=method, tree="fixed").budget(q4) == one
         assert method_budget(flags, method, q4) == one
