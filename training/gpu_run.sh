@@ -1,51 +1,67 @@
 #!/usr/bin/env bash
-# Drafter data and training on one GPU, in one go (tried on an H100 with a 135M target):
-#   1. generate more self-distilled data with wide static batches (training.distill --engine
-#      static) for GEN_MIN minutes, starting after the shards of distill-v1, while distill-v1's
-#      and the held-out run's hidden states are rebuilt from their committed ids (fp32 weights);
-#   2. train EAGLE-2 and Lyanna from scratch, two learning rates each, side by side for
-#      TRAIN_MIN minutes, keeping each run's best held-out evaluation.
-# Outputs: data/distill/distill-v2 (ids, commit them), $EXPORT/<run> (checkpoints), $LOGS.
-# Run from the repository root:  GEN_MIN=2 TRAIN_MIN=5 bash training/gpu_run.sh
+# Drafter data and training on one GPU, in one go (run on an H100 with the 135M target):
+#   1. the hidden states of the committed id runs ($MATERIALIZE) are rebuilt on the GPU from
+#      their ids (fp32 weights), one process per run, while a new run ($GEN_RUN, from shard
+#      $GEN_START of the train split) is generated with wide static batches for GEN_MIN
+#      minutes (GEN_MIN=0: no generation);
+#   2. $TRAIN_SPECS (model, learning rate, token-loss weight, tag) are trained from scratch side
+#      by side for TRAIN_MIN minutes on every run with hidden states, each keeping its best
+#      held-out evaluation.
+# Outputs: data/distill/$GEN_RUN (ids: commit them), $EXPORT/<tag> (checkpoints), $LOGS.
+# Run from the repository root:  GEN_MIN=1.5 TRAIN_MIN=4.5 bash training/gpu_run.sh
 set -u
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3} DEVICE=${DEVICE:-cuda} BATCH=${BATCH:-768}
-GEN_MIN=${GEN_MIN:-2} TRAIN_MIN=${TRAIN_MIN:-5}
+GEN_MIN=${GEN_MIN:-1.5} TRAIN_MIN=${TRAIN_MIN:-4.5}
+MATERIALIZE=${MATERIALIZE:-distill-v1 distill-v2 distill-heldout-v1}
+GEN_RUN=${GEN_RUN:-distill-v3} GEN_START=${GEN_START:-90}
+DATA=${DATA:-distill-v1,distill-v2} VAL=${VAL:-distill-heldout-v1}
+TRAIN_SPECS=${TRAIN_SPECS:-"eagle 6e-4 0.2 e6 eagle 1.5e-3 0.2 e15 lyanna 6e-4 1.0 l6 lyanna 1.5e-3 1.0 l15"}
+BATCH_TOKENS=${BATCH_TOKENS:-16384} EVAL_EVERY=${EVAL_EVERY:-100}
 LOGS=${LOGS:-runs/gpu/logs} EXPORT=${EXPORT:-runs/gpu/export}
+CACHE=${LYANNA_CACHE:-$HOME/.cache/lyanna}
 mkdir -p "$LOGS" "$EXPORT"
 t0=$(date +%s)
 stamp() { echo "[$(($(date +%s) - t0))s] $*" | tee -a "$LOGS/timeline.txt"; }
 "$PY" -c "import lyanna, training" || { stamp "run from the repository root"; exit 1; }
 
-timeout "$(awk "BEGIN{print int($GEN_MIN*60+180)}")" "$PY" -m training.distill generate \
-    --run-name distill-v2 --engine static --device "$DEVICE" --weights fp32 --batch-size "$BATCH" \
-    --start-shard 28 --token-budget 50000000 --max-minutes "$GEN_MIN" --threads 4 ${GEN_ARGS:-} \
-    >"$LOGS/gen.log" 2>&1 &
-GEN=$!
-for run in distill-v1 distill-heldout-v1; do
-    "$PY" -m training.distill materialize --run-name "$run" --device "$DEVICE" --threads 4 \
-        >>"$LOGS/materialize.log" 2>&1 || stamp "materialize $run failed"
-done
-stamp "materialize done"
-wait $GEN
-stamp "generate done rc=$?"
-
-DATA=distill-v1
-CACHE=${LYANNA_CACHE:-$HOME/.cache/lyanna}
-if "$PY" -c "import json, sys; m = json.load(open(sys.argv[1])); assert m['shards']" \
-    "$CACHE/data/distill-v2/manifest.json" 2>/dev/null; then
-    DATA=distill-v1,distill-v2
+GEN=""
+if [ "$(awk "BEGIN{print ($GEN_MIN > 0)}")" = 1 ]; then
+    timeout "$(awk "BEGIN{print int($GEN_MIN*60+90)}")" "$PY" -m training.distill generate \
+        --run-name "$GEN_RUN" --engine static --device "$DEVICE" --weights fp32 \
+        --batch-size "$BATCH" --start-shard "$GEN_START" --token-budget 50000000 \
+        --max-minutes "$GEN_MIN" --threads 4 ${GEN_ARGS:-} >"$LOGS/gen.log" 2>&1 &
+    GEN=$!
 fi
+MAT=""
+for run in $MATERIALIZE; do
+    "$PY" -m training.distill materialize --run-name "$run" --device "$DEVICE" --threads 2 \
+        >"$LOGS/materialize-$run.log" 2>&1 &
+    MAT="$MAT $!"
+done
+for pid in $MAT; do wait "$pid" || stamp "a materialize job failed (rc=$?)"; done
+stamp "materialize done"
+if [ -n "$GEN" ]; then
+    wait "$GEN"
+    stamp "generate done rc=$?"
+    if "$PY" -c "import json, sys; m = json.load(open(sys.argv[1])); assert m['shards']" \
+        "$CACHE/data/$GEN_RUN/manifest.json" 2>/dev/null; then
+        DATA="$DATA,$GEN_RUN"
+    fi
+fi
+
 stamp "training on $DATA"
 PIDS=""
-for spec in "eagle 1e-3 e1" "eagle 3e-3 e3" "lyanna 1e-3 l1" "lyanna 3e-3 l3"; do
-    set -- $spec
-    "$PY" -m training.train --model "$1" --data "$DATA" --val-data distill-heldout-v1 \
-        --run-name "gpu-$3" --device "$DEVICE" --amp bf16 --lr "$2" --batch-tokens 16384 \
-        --max-seq-len 1024 --warmup-steps 100 --max-steps 20000 --max-minutes "$TRAIN_MIN" \
-        --eval-every 100 --log-every 50 --ckpt-every 100000 --keep-best true --threads 2 \
-        --export-dir "$EXPORT/$3" >"$LOGS/train-$3.log" 2>&1 &
+set -- $TRAIN_SPECS
+while [ $# -ge 4 ]; do
+    "$PY" -m training.train --model "$1" --data "$DATA" --val-data "$VAL" \
+        --run-name "gpu-$4" --device "$DEVICE" --amp bf16 --lr "$2" --ce-weight "$3" \
+        --batch-tokens "$BATCH_TOKENS" --max-seq-len 1024 --warmup-steps 100 \
+        --max-steps 100000 --max-minutes "$TRAIN_MIN" --eval-every "$EVAL_EVERY" \
+        --log-every 50 --ckpt-every 1000000 --keep-best true --threads 2 \
+        --export-dir "$EXPORT/$4" >"$LOGS/train-$4.log" 2>&1 &
     PIDS="$PIDS $!"
+    shift 4
 done
-wait $PIDS
+for pid in $PIDS; do wait "$pid" || stamp "a training run failed (rc=$?)"; done
 stamp "training done"
