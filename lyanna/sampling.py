@@ -8,7 +8,6 @@ that processing lives. Temperature 0 means greedy: the distribution is a one-hot
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -111,15 +110,56 @@ def sample_distinct(
     k: int,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:  # [..., k] int64
-    """k distinct tokens per row drawn without replacement, in drawing order (Gumbel-top-k:
-    the k largest of log p - log E, E ~ Exp(1), are a sequential draw without replacement).
-    Rows with fewer than k possible tokens pad with zero-probability tokens, which callers
-    drop (the draw cannot produce them)."""
-    noise = torch.empty(probs.shape, dtype=torch.float64).exponential_(generator=generator)
-    noise = noise.to(probs.device)  # drawn on the CPU generator wherever the rows live
-    keys = probs.double().log() - noise.log()
-    keys = keys.masked_fill(probs <= 0, -math.inf)
-    return keys.topk(k, dim=-1).indices
+    """k distinct tokens per row drawn without replacement, in drawing order: k sequential
+    inverse-CDF draws on one cumulative sum, each skipping the mass of the tokens already
+    drawn (the law of Gumbel-top-k, from k uniforms per row instead of one exponential per
+    vocabulary entry: torch's CPU exponential took 0.13 ms for an 8k-token row, a quarter of
+    a sampled draft step, measured). Rows with fewer than k possible tokens pad with
+    zero-probability tokens, which callers drop (the draw cannot produce them)."""
+    shape = probs.shape
+    rows = probs.reshape(-1, shape[-1]).double()
+    u = torch.rand(rows.shape[0], k, generator=generator, dtype=torch.float64)
+    u = u.to(rows.device)  # drawn on the CPU generator wherever the rows live
+    cdf = rows.cumsum(-1)  # [n, V]
+    last = cdf.shape[-1] - 1
+    picks: list[torch.Tensor] = []  # each [n, 1]
+    masses: list[torch.Tensor] = []  # their probabilities
+    left = cdf[:, -1:]  # mass not drawn yet
+    for j in range(k):
+        t = u[:, j : j + 1] * left  # a point of the remaining mass, in its own coordinates
+        if picks:  # into the full row's coordinates: step over drawn tokens before it
+            drawn, order = torch.cat(picks, -1).sort(-1)
+            mass = torch.cat(masses, -1).gather(-1, order)
+            for r, m in zip(drawn.unbind(-1), mass.unbind(-1), strict=True):
+                r, m = r[:, None], m[:, None]
+                t = torch.where(t >= cdf.gather(-1, r) - m, t + m, t)
+        pick = torch.searchsorted(cdf, t, right=True).clamp_(max=last)
+        p = rows.gather(-1, pick)
+        bad = (p <= 0) | (left <= 0)
+        for earlier in picks:
+            bad |= pick == earlier
+        if bool(bad.any()):  # rounding at a row's end, or its support is used up
+            pick = torch.where(bad, _last_open(rows, picks), pick)
+            p = rows.gather(-1, pick)
+        left = (left - p).clamp_min(0.0)
+        picks.append(pick)
+        masses.append(p)
+    return torch.cat(picks, -1).reshape(*shape[:-1], k)
+
+
+def _last_open(rows: torch.Tensor, picks: list[torch.Tensor]) -> torch.Tensor:  # [n, 1]
+    """Per row, the last token with probability left that is not drawn yet, else the first
+    undrawn zero-probability token (a pad)."""
+    taken = torch.zeros_like(rows, dtype=torch.bool)
+    for pick in picks:
+        taken.scatter_(-1, pick, True)
+    open_ = ~taken & (rows > 0)
+    index = torch.arange(1, rows.shape[-1] + 1, device=rows.device)
+    return torch.where(
+        open_.any(-1, keepdim=True),
+        (open_ * index).argmax(-1, keepdim=True),
+        (~taken).int().argmax(-1, keepdim=True),
+    )
 
 
 def sample(
