@@ -1,8 +1,10 @@
-"""The one registry of Prometheus names the gateway exports (prefix ``lyanna_``).
+"""The gateway's Prometheus metrics (prefix ``lyanna_``): what it records for each request.
 
-Semantics follow vLLM's speculative-decoding and request metrics. Every *verification* of one
-request is a draft step (including steps whose drafter proposed nothing, so that
-``1 + accepted_tokens_total / draft_steps_total`` is the mean acceptance length, as in
+Names, types, labels, help texts and buckets come from ``services.metric_registry``, the one
+registry of the three processes' metrics (``docs/metrics.md`` and the Grafana dashboard are
+checked against it). Semantics follow vLLM's speculative-decoding and request metrics. Every
+*verification* of one request is a draft step (including steps whose drafter proposed nothing,
+so that ``1 + accepted_tokens_total / draft_steps_total`` is the mean acceptance length, as in
 ``lyanna.stats.SpecStats``); position ``p`` of
 ``lyanna_spec_accepted_tokens_per_position_total`` counts steps whose draft token at depth
 ``p + 1`` was accepted. Backends never touch Prometheus: the gateway records what each
@@ -16,22 +18,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.backend import StepFacts, TokenDelta
 from lyanna.stats import acceptance_length
+from services.metric_registry import GATEWAY
 
-LABELS = ("method", "model", "service")
-LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
-REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
-ACCEPTANCE_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
 MAX_POSITIONS = 32  # per-position series beyond this depth are folded into the last one
 
 
@@ -40,105 +32,26 @@ class GatewayMetrics:
 
     def __init__(self, model: str, service: str) -> None:
         self.model, self.service = model, service
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.draft_steps = Counter(
-            "lyanna_spec_draft_steps_total", "Verifications (draft steps).", LABELS, registry=r
-        )
-        self.draft_tokens = Counter(
-            "lyanna_spec_draft_tokens_total", "Draft tokens verified.", LABELS, registry=r
-        )
-        self.accepted_tokens = Counter(
-            "lyanna_spec_accepted_tokens_total", "Draft tokens accepted.", LABELS, registry=r
-        )
-        self.accepted_per_position = Counter(
-            "lyanna_spec_accepted_tokens_per_position_total",
-            "Draft tokens accepted at each depth (position 0 = depth 1).",
-            (*LABELS, "position"),
-            registry=r,
-        )
-        self.resampled_accepted = Counter(
-            "lyanna_spec_resampled_accepted_tokens_total",
-            "Accepted tokens only a re-sampled (fused) subtree proposed (Lyanna).",
-            LABELS,
-            registry=r,
-        )
-        self.acceptance_length = Histogram(
-            "lyanna_spec_acceptance_length",
-            "Tokens emitted per verification (accepted + 1).",
-            LABELS,
-            buckets=ACCEPTANCE_BUCKETS,
-            registry=r,
-        )
-        self.draft_latency = Histogram(
-            "lyanna_spec_draft_latency_seconds",
-            "Drafting time of the micro-batch holding a request, per verification.",
-            LABELS,
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.verify_latency = Histogram(
-            "lyanna_spec_verify_latency_seconds",
-            "Verification forward time of the micro-batch holding a request.",
-            LABELS,
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.drafter_fallbacks = Counter(
-            "lyanna_spec_drafter_fallback_total",
-            "Target-only steps taken because the drafter was down or late.",
-            LABELS,
-            registry=r,
-        )
-        self.ttft = Histogram(
-            "lyanna_request_time_to_first_token_seconds",
-            "Time from request arrival to its first output token.",
-            LABELS,
-            buckets=REQUEST_BUCKETS,
-            registry=r,
-        )
-        self.inter_token_latency = Histogram(
-            "lyanna_request_inter_token_latency_seconds",
-            "Time between consecutive output deltas of a request.",
-            LABELS,
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.time_per_output_token = Histogram(
-            "lyanna_request_time_per_output_token_seconds",
-            "Per request: (e2e - ttft) / (output tokens - 1).",
-            LABELS,
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.e2e_latency = Histogram(
-            "lyanna_request_e2e_latency_seconds",
-            "Time from request arrival to its last token.",
-            LABELS,
-            buckets=REQUEST_BUCKETS,
-            registry=r,
-        )
-        self.running = Gauge(
-            "lyanna_num_requests_running", "Requests generating tokens.", LABELS, registry=r
-        )
-        self.waiting = Gauge(
-            "lyanna_num_requests_waiting",
-            "Requests waiting for their first token.",
-            LABELS,
-            registry=r,
-        )
-        self.prompt_tokens = Counter(
-            "lyanna_prompt_tokens_total", "Prompt tokens of admitted requests.", LABELS, registry=r
-        )
-        self.generation_tokens = Counter(
-            "lyanna_generation_tokens_total", "Output tokens sent.", LABELS, registry=r
-        )
-        self.requests = Counter(
-            "lyanna_request_success_total",
-            "Finished requests by finish reason (stop, length, abort, error), as vLLM's.",
-            (*LABELS, "finish_reason"),
-            registry=r,
-        )
+        built = GATEWAY.build()
+        self.registry = built.registry
+        self.draft_steps = built.counter("lyanna_spec_draft_steps_total")
+        self.draft_tokens = built.counter("lyanna_spec_draft_tokens_total")
+        self.accepted_tokens = built.counter("lyanna_spec_accepted_tokens_total")
+        self.accepted_per_position = built.counter("lyanna_spec_accepted_tokens_per_position_total")
+        self.resampled_accepted = built.counter("lyanna_spec_resampled_accepted_tokens_total")
+        self.acceptance_length = built.histogram("lyanna_spec_acceptance_length")
+        self.draft_latency = built.histogram("lyanna_spec_draft_latency_seconds")
+        self.verify_latency = built.histogram("lyanna_spec_verify_latency_seconds")
+        self.drafter_fallbacks = built.counter("lyanna_spec_drafter_fallback_total")
+        self.ttft = built.histogram("lyanna_request_time_to_first_token_seconds")
+        self.inter_token_latency = built.histogram("lyanna_request_inter_token_latency_seconds")
+        self.time_per_output_token = built.histogram("lyanna_request_time_per_output_token_seconds")
+        self.e2e_latency = built.histogram("lyanna_request_e2e_latency_seconds")
+        self.running = built.gauge("lyanna_num_requests_running")
+        self.waiting = built.gauge("lyanna_num_requests_waiting")
+        self.prompt_tokens = built.counter("lyanna_prompt_tokens_total")
+        self.generation_tokens = built.counter("lyanna_generation_tokens_total")
+        self.requests = built.counter("lyanna_request_success_total")
 
     def labels(self, method: str) -> dict[str, str]:
         return {"method": method, "model": self.model, "service": self.service}

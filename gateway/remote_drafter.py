@@ -208,6 +208,7 @@ class DrafterLink:
             if started:
                 request = common_pb2.ReleaseRequest(seq_ids=started)
                 await self.stub.Release(request, timeout=self.control_deadline)
+            # built before drafter_started is set: a sequence started before is a resync
             items = [s.start_item(self.needs_hidden) for s in seqs]
             for seq in seqs:
                 seq.drafter_started = True

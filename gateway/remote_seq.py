@@ -105,12 +105,14 @@ class RemoteSeq:
         return not needs_hidden or self.keep_hidden
 
     def start_item(self, needs_hidden: bool) -> drafter_pb2.StartItem:
-        """Start the drafter from everything committed so far (also the first start)."""
+        """Start the drafter from everything committed so far (also the first start); a
+        resync when an earlier Start may have reached it (its metrics count those apart)."""
         item = drafter_pb2.StartItem(
             ref=self.ref(),
             prompt_ids=self.history,
             first_token=self.next_token,
             params=codec.encode_params(self.sequence.params),
+            resync=self.drafter_started,
         )
         if needs_hidden:
             rows = torch.cat(self.hidden_history)  # [num_committed, hidden]

@@ -1,61 +1,36 @@
 """Prometheus metrics of the verifier and drafter processes (prefix ``lyanna_verifier_`` /
 ``lyanna_drafter_``), served on their own port (``--metrics-port``; -1 = off, 0 = any free
-port, written to ``--metrics-port-file``). The gateway's request and acceptance metrics live
-in ``gateway.metrics``; ``docs/metrics.md`` lists every metric of the three processes (a test
-keeps it complete). Each object owns its registry, so two services in one process (tests)
-never collide.
+port, written to ``--metrics-port-file``). Every name, type, label, help text and bucket comes
+from ``services.metric_registry`` (the gateway's too); these classes only record events. Each
+object owns its registry, so two services in one process (tests) never collide.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, start_http_server
 
+from lyanna.drafters import Drafter, VerifiedStep
+from lyanna.drafters.gate import DRAFT_SOURCES, step_source
+from lyanna.tree import TokenTree
 from services.config import ServerConfig
-
-FORWARD_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0, 10.0)
-TREE_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128)
+from services.metric_registry import DRAFTER, VERIFIER
 
 
 class VerifierMetrics:
     """Target forwards, tree sizes and KV slots of one verifier."""
 
     def __init__(self, total_slots: int) -> None:
-        self.registry = r = CollectorRegistry(auto_describe=True)
-        self.forward_seconds = Histogram(
-            "lyanna_verifier_forward_seconds",
-            "Seconds of one Prefill or Verify call's model work (forward + acceptance rules).",
-            ("op",),
-            buckets=FORWARD_BUCKETS,
-            registry=r,
-        )
-        self.rule_seconds = Histogram(
-            "lyanna_verifier_rule_seconds",
-            "Seconds of one Verify call's acceptance rules (row softmax, rule, KV commit).",
-            buckets=FORWARD_BUCKETS,
-            registry=r,
-        )
-        self.tree_tokens = Histogram(
-            "lyanna_verifier_tree_tokens",
-            "Draft tokens in one sequence's verified tree (after fusion).",
-            buckets=TREE_BUCKETS,
-            registry=r,
-        )
-        self.sequences_verified = Counter(
-            "lyanna_verifier_sequences_verified_total",
-            "Sequence verifications (one per sequence per Verify call).",
-            registry=r,
-        )
-        self.accepted_tokens = Counter(
-            "lyanna_verifier_accepted_tokens_total", "Draft tokens accepted.", registry=r
-        )
-        self.prefill_tokens = Counter(
-            "lyanna_verifier_prefill_tokens_total", "Prompt tokens prefilled.", registry=r
-        )
-        self.kv_slots = Gauge(
-            "lyanna_verifier_kv_slots", "KV sequence slots by state.", ("state",), registry=r
-        )
+        built = VERIFIER.build()
+        self.registry = built.registry
+        self.forward_seconds = built.histogram("lyanna_verifier_forward_seconds")
+        self.rule_seconds = built.histogram("lyanna_verifier_rule_seconds")
+        self.tree_tokens = built.histogram("lyanna_verifier_tree_tokens")
+        self.sequences_verified = built.counter("lyanna_verifier_sequences_verified_total")
+        self.accepted_tokens = built.counter("lyanna_verifier_accepted_tokens_total")
+        self.prefill_tokens = built.counter("lyanna_verifier_prefill_tokens_total")
+        self.kv_slots = built.gauge("lyanna_verifier_kv_slots")
         self.total_slots = total_slots
         self.slots(total_slots)
 
@@ -65,30 +40,35 @@ class VerifierMetrics:
 
 
 class DrafterMetrics:
-    """Draft steps of one drafter."""
+    """Starts, resyncs, proposals and the source of each learned step of one drafter."""
 
     def __init__(self) -> None:
-        self.registry = r = CollectorRegistry(auto_describe=True)
-        self.draft_seconds = Histogram(
-            "lyanna_drafter_draft_seconds",
-            "Seconds of one Step call's drafting (learning unseen steps + proposing).",
-            buckets=FORWARD_BUCKETS,
-            registry=r,
-        )
-        self.proposals = Counter(
-            "lyanna_drafter_proposals_total", "Trees proposed (one per sequence).", registry=r
-        )
-        self.proposed_tokens = Counter(
-            "lyanna_drafter_proposed_tokens_total", "Draft tokens proposed.", registry=r
-        )
-        self.starts = Counter(
-            "lyanna_drafter_starts_total",
-            "Sequences started (first start and every resync after a lost state).",
-            registry=r,
-        )
-        self.sequences = Gauge(
-            "lyanna_drafter_sequences", "Sequences the drafter holds state for.", registry=r
-        )
+        built = DRAFTER.build()
+        self.registry = built.registry
+        self.draft_seconds = built.histogram("lyanna_drafter_draft_seconds")
+        self.proposals = built.counter("lyanna_drafter_proposals_total")
+        self.proposed_tokens = built.counter("lyanna_drafter_proposed_tokens_total")
+        self.starts = built.counter("lyanna_drafter_starts_total")
+        self.resyncs = built.counter("lyanna_drafter_resyncs_total")
+        self.steps = built.counter("lyanna_drafter_steps_total")
+        self.sequences = built.gauge("lyanna_drafter_sequences")
+        for source in DRAFT_SOURCES:  # every share's series exists before the first step
+            self.steps.labels(source)
+
+    def started(self, resync: bool) -> None:
+        """One Start item: a first start, or a resync after the drafter lost the state."""
+        (self.resyncs if resync else self.starts).inc()
+
+    def drafted(self, seconds: float, trees: list[TokenTree]) -> None:
+        """One Step call's drafting: its seconds and the trees it proposed."""
+        self.draft_seconds.observe(seconds)
+        self.proposals.inc(len(trees))
+        self.proposed_tokens.inc(sum(tree.num_drafted for tree in trees))
+
+    def learned(self, drafter: Drafter, steps: list[VerifiedStep]) -> None:
+        """Steps ``drafter`` just learned, by what drafted each (the gate's choice)."""
+        for step in steps:
+            self.steps.labels(step_source(drafter, step.seq_id)).inc()
 
 
 def serve_metrics(registry: CollectorRegistry, config: ServerConfig) -> int | None:

@@ -5,11 +5,11 @@
 ``deploy/k8s/base/grafana-dashboard.yaml`` carries the same JSON in a ConfigMap labelled
 ``grafana_dashboard: "1"`` (the Grafana sidecar of kube-prometheus-stack loads it).
 
-Every query names metrics of the three processes' registries (``gateway.metrics``,
-``services.metrics``); ``tests/gateway/test_deploy.py`` fails when the committed JSON differs
-from what this script writes or names a metric no registry exports. Gateway series carry the
-``model`` / ``method`` / ``service`` labels (dashboard variables); the verifier's and drafter's
-carry only what Prometheus adds (``job``, ``instance``).
+Every query names series of the one metric registry (``services.metric_registry``): the
+generator refuses any other, and ``tests/gateway/test_deploy.py`` fails when the committed JSON
+differs from what this script writes or names a metric no process exports. Gateway series
+carry the ``model`` / ``method`` / ``service`` labels (dashboard variables); the verifier's and
+drafter's carry only what Prometheus adds (``job``, ``instance``).
 
 Acceptance panels leave out target-only decoding (method ``ar``) and steps the drafter missed
 (fallbacks): they measure the drafter, and a drafter outage shows on its own panel instead of
@@ -19,13 +19,15 @@ dragging the acceptance length down.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
+from deploy.grafana import configmap
+from deploy.grafana.configmap import CONFIG_MAP
+from services.metric_registry import sample_names
 
 OUTPUT = Path(__file__).resolve().parent / "lyanna.json"
-CONFIG_MAP = Path(__file__).resolve().parents[1] / "k8s" / "base" / "grafana-dashboard.yaml"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 GATEWAY = 'model=~"$model", method=~"$method", service=~"$service"'
 SPECULATIVE = GATEWAY + ', method!="ar"'
@@ -106,6 +108,8 @@ def panels() -> list[Panel]:
     conditional = [(f"{accepted_at(0)} / {drafted_steps()}", "depth 1")] + [
         (f"{accepted_at(p)} / {accepted_at(p - 1)}", f"depth {p + 1}") for p in range(1, DEPTHS)
     ]
+    steps_by_source = rate("lyanna_drafter_steps_total", "", "source")
+    all_steps = rate("lyanna_drafter_steps_total", "")
     return [
         # -- acceptance (the paper's tau and Table 1, live) --
         Panel(
@@ -129,7 +133,8 @@ def panels() -> list[Panel]:
             "Drafter fallback share",
             [(f"1 - {drafted_steps()} / {rate('lyanna_spec_draft_steps_total', SPECULATIVE)}", "")],
             unit="percentunit",
-            description="Verifications without a draft (drafter down or late).",
+            description="Steps of drafted requests the drafter service did not draft "
+            "(unreachable, late, failed): the gateway verified them root-only.",
             width=6,
             height=4,
         ),
@@ -260,11 +265,33 @@ def panels() -> list[Panel]:
             "Drafter fallbacks and resyncs",
             [
                 (rate("lyanna_spec_drafter_fallback_total", by="method"), "fallback steps"),
-                ("sum (rate(lyanna_drafter_starts_total" + RATE + "))", "drafter starts"),
+                (rate("lyanna_drafter_starts_total", ""), "drafter first starts"),
+                (rate("lyanna_drafter_resyncs_total", ""), "drafter resyncs"),
             ],
             unit="ops",
+            description="Steps the drafter service missed (the gateway's fallback), and "
+            "sequences the drafter started for the first time or again after losing them.",
+        ),
+        Panel(
+            "timeseries",
+            "Drafter steps by source",
+            [(f"{steps_by_source} / ignoring(source) group_left {all_steps}", "{{source}}")],
+            unit="percentunit",
+            description="Share of the drafter's learned steps its configured method drafted, "
+            "its free n-gram fallback drafted (gated off) or it left plain (gated off).",
         ),
     ]
+
+
+def checked(items: list[Panel]) -> list[Panel]:
+    """The panels, once every series their queries read is one the metric registry lists."""
+    known = sample_names()
+    for panel in items:
+        for expr, _ in panel.targets:
+            unknown = set(re.findall(r"\blyanna_[a-z0-9_]+", expr)) - known
+            if unknown:
+                raise ValueError(f"{panel.title}: {sorted(unknown)} not in the metric registry")
+    return items
 
 
 def layout(items: list[Panel]) -> list[dict]:
@@ -325,7 +352,7 @@ def dashboard() -> dict:
                 variable("service"),
             ]
         },
-        "panels": layout(panels()),
+        "panels": layout(checked(panels())),
     }
 
 
@@ -358,26 +385,7 @@ def render() -> str:
 
 def config_map() -> str:
     """The dashboard as a ConfigMap for Grafana's dashboard sidecar."""
-    doc = {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": {"name": "lyanna-dashboard", "labels": {"grafana_dashboard": "1"}},
-        "data": {"lyanna.json": render()},
-    }
-    header = "# Generated by `python -m deploy.grafana.dashboard`; edit that script instead.\n"
-    return header + yaml.dump(doc, Dumper=_BlockDumper, sort_keys=False, width=100)
-
-
-class _BlockDumper(yaml.SafeDumper):
-    """Multi-line strings as literal blocks (the dashboard JSON stays readable)."""
-
-
-_BlockDumper.add_representer(
-    str,
-    lambda dumper, text: dumper.represent_scalar(
-        "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None
-    ),
-)
+    return configmap.config_map(render())
 
 
 def main() -> None:

@@ -35,6 +35,9 @@ proposed like any other. The learned drafter must then beat the fallback, not pl
 each sequence also keeps the fallback's tokens per step it drafted, and only the learned
 drafter's excess over it pays for the draft and its rows.
 
+Which of the three drafted a step (``step_source``: the wrapped ``method``, its ``fallback``,
+or ``plain``: a root-only tree) is a fact the caller reads per step, for its metrics.
+
 Lossless by construction: a gated-off sequence verifies a root-only tree (a plain decode
 step) or the fallback's tree with the rule of its own scheme, and the wrapped drafter still
 sees every verified step (its state keeps up).
@@ -48,6 +51,10 @@ from dataclasses import dataclass
 from lyanna.drafters.base import Drafter, NoDrafter, VerifiedStep
 from lyanna.tree import TokenTree
 from lyanna.tree_cost import VerifyCost
+
+# what drafted a step's tree: the wrapped drafter (every step of an ungated one), a gated-off
+# step's free fallback, or nothing (gated off without a fallback: a root-only tree)
+DRAFT_SOURCES = ("method", "fallback", "plain")
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +225,13 @@ class GatedDrafter:
         gated-off step drafts from it."""
         return 0 if self.drafts_when_gated else self.gate.quiet_steps(seq_id)
 
+    def source(self, seq_id: int) -> str:
+        """What drafted the sequence's step in flight (the last ``propose``'s, or a quiet step
+        after it; still so after its ``on_verified``): one of ``DRAFT_SOURCES``."""
+        if self.gate.drafting(seq_id):
+            return "method"
+        return "fallback" if self.drafts_when_gated else "plain"
+
     def on_verified(self, steps: list[VerifiedStep]) -> dict[int, int]:
         resampled = self.inner.on_verified(steps)
         self.plain.on_verified(steps)
@@ -233,3 +247,9 @@ class GatedDrafter:
         self.inner.release(seq_id)
         self.gate.release(seq_id)
         self.plain.release(seq_id)
+
+
+def step_source(drafter: Drafter, seq_id: int) -> str:
+    """What drafted ``seq_id``'s step in flight (``DRAFT_SOURCES``), so a caller can count the
+    gate's choices without reaching into it: a drafter without a gate drafts every step."""
+    return drafter.source(seq_id) if isinstance(drafter, GatedDrafter) else "method"

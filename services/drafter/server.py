@@ -114,7 +114,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 self.drafter.start(seq_id, prompt, hidden, item.first_token, params)
                 self._committed[seq_id] = len(prompt)
                 self._starts[seq_id] = next(self._start_ids)
-                self.metrics.starts.inc()
+                self.metrics.started(item.resync)
             self.metrics.sequences.set(len(self._committed))
             self.receiver.end_batch()
         return drafter_pb2.StartResponse(num_started=len(request.items))
@@ -208,9 +208,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                         grpc.StatusCode.DEADLINE_EXCEEDED, f"drafting took over {deadline:g} s"
                     )
                 raise out_of_step(f"sequences {wrong}: the caller's next token is another root")
-            self.metrics.draft_seconds.observe(draft_seconds)
-            self.metrics.proposals.inc(len(trees))
-            self.metrics.proposed_tokens.inc(sum(tree.num_drafted for tree in trees))
+            self.metrics.drafted(draft_seconds, trees)
             starts = {seq_id: self._starts[seq_id] for seq_id in ids}
         return dict(zip(ids, trees, strict=True)), quiet, starts, draft_seconds
 
@@ -249,6 +247,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                         )
                     )
                 resampled = self.drafter.on_verified(steps) if steps else {}  # one batched call
+                self.metrics.learned(self.drafter, steps)
                 for step in steps:
                     self._committed[step.seq_id] = step.num_committed
             except Exception as error:  # committed on the verifier: the caller retries there
@@ -309,6 +308,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         """Feed a sequence's unseen verifications to the drafter, in order."""
         for step in steps:
             self.drafter.on_verified([step])
+        self.metrics.learned(self.drafter, steps)
 
     def _quiet_steps(self, seq_id: int) -> int:
         """Steps the drafter will certainly not draft for ``seq_id`` (gated drafters only)."""

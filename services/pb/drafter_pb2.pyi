@@ -31,18 +31,20 @@ class InfoResponse(_message.Message):
     def __init__(self, method: _Optional[str] = ..., scheme: _Optional[_Union[_common_pb2.DraftScheme, str]] = ..., needs_hidden: _Optional[bool] = ..., max_draft_tokens: _Optional[int] = ..., max_depth: _Optional[int] = ..., top_k: _Optional[int] = ..., verifier_linked: _Optional[bool] = ...) -> None: ...
 
 class StartItem(_message.Message):
-    __slots__ = ("ref", "prompt_ids", "first_token", "prompt_hidden", "params")
+    __slots__ = ("ref", "prompt_ids", "first_token", "prompt_hidden", "params", "resync")
     REF_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
     ref: _common_pb2.SeqRef
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token: int
     prompt_hidden: _common_pb2.HiddenStates
     params: _common_pb2.SamplingParams
-    def __init__(self, ref: _Optional[_Union[_common_pb2.SeqRef, _Mapping]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., prompt_hidden: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    resync: bool
+    def __init__(self, ref: _Optional[_Union[_common_pb2.SeqRef, _Mapping]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., prompt_hidden: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., resync: _Optional[bool] = ...) -> None: ...
 
 class StartRequest(_message.Message):
     __slots__ = ("items",)

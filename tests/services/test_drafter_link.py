@@ -140,6 +140,7 @@ def test_start_then_one_step_per_step(link_and_stub) -> None:
     seq = make_seq()
     response = step(link, [seq])
     assert stub.calls == ["Start", "Step"] and seq.drafter_synced
+    assert not stub.requests[0].items[0].resync  # a first start
     (item,) = stub.requests[1].items
     assert item.draft and item.next_token == 7 and item.ref.num_committed == 2
     assert item.return_hidden  # the gateway keeps the history for a resync
@@ -172,6 +173,7 @@ def test_unreachable_drafter_opens_the_breaker_then_recovers(link_and_stub) -> N
     assert step(link, [seq]) is not None
     assert stub.calls[2:] == ["Release", "Start", "Step"]  # resync from the full history
     assert stub.requests[3].items[0].ref.num_committed == 3
+    assert stub.requests[3].items[0].resync  # the drafter counts it apart from first starts
 
 
 def test_an_aborted_step_restarts_the_sequence_and_keeps_the_drafter(link_and_stub) -> None:

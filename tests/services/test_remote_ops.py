@@ -52,6 +52,12 @@ def test_verifier_and_drafter_export_their_own_metrics(ngram_services) -> None:
     drafted = sum(s.num_drafted for o in outcomes for s in o.steps)
     assert grew(drafter, before[1], "lyanna_drafter_proposed_tokens_total") >= drafted > 0
     assert grew(drafter, before[1], "lyanna_drafter_starts_total") == 2
+    assert grew(drafter, before[1], "lyanna_drafter_resyncs_total") == 0  # none lost
+    proposals = grew(drafter, before[1], "lyanna_drafter_proposals_total")
+    # the n-gram method is ungated: every learned step is its own
+    assert grew(drafter, before[1], "lyanna_drafter_steps_total,source=method") == proposals
+    for source in ("fallback", "plain"):
+        assert grew(drafter, before[1], f"lyanna_drafter_steps_total,source={source}") == 0
     assert grew(drafter, before[1], "lyanna_drafter_draft_seconds_count") >= 1
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from lyanna.drafters.base import DraftBudget
 from lyanna.drafters.eagle import EagleDrafter
-from lyanna.drafters.gate import DraftGate, GateConfig, GatedDrafter
+from lyanna.drafters.gate import DraftGate, GateConfig, GatedDrafter, step_source
 from lyanna.drafters.ngram import NgramDrafter
 from lyanna.tree_cost import VerifyCost
 from tests.conftest import make_tiny_model
@@ -251,3 +251,22 @@ def test_with_a_fallback_the_learned_drafter_must_beat_it_not_plain_steps() -> N
     assert gate.pays(0, batch=1)
     gate.start(1)  # a new sequence starts from the fallback's population average
     assert 0 < gate._seqs[1].fallback < 1
+
+
+def test_step_source_names_what_drafted_each_step() -> None:
+    """The per-step fact the drafter service counts (``lyanna_drafter_steps_total``): the
+    wrapped method on its probes, the free fallback or a plain root-only tree on gated-off
+    steps; a drafter without a gate drafts every step itself."""
+    model = make_tiny_model(2, vocab_size=16)
+    for fallback, gated_off in ((None, "plain"), (NgramDrafter(DraftBudget(3, 1, 3)), "fallback")):
+        gate = DraftGate(NEVER_PAYS, GateConfig(prior=0.0, probe_after=2))
+        drafter = GatedDrafter(NgramDrafter(DraftBudget(3, 1, 3)), gate, fallback)
+        engine, _ = run_engine(model, drafter, [[4, 4, 4, 4, 4, 4]], max_running=1)
+        sources = []
+        while engine.has_work:
+            engine.step()
+            sources += [step_source(drafter, seq_id) for seq_id in engine.slots]
+        assert sources.count(gated_off) > sources.count("method") > 0  # probes only
+        assert set(sources) == {"method", gated_off}
+        assert sources.count(gated_off) <= drafter.num_gated_steps
+    assert step_source(NgramDrafter(), 0) == "method"
