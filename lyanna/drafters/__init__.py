@@ -128,8 +128,17 @@ def default_budget(method: str, model: Transformer | None = None) -> DraftBudget
 
 
 TREE_MODES = ("cost", "fixed")
-# methods that run no draft network: the only ones next to a target off the CPU (a GPU)
+# methods that run no draft network
 MODEL_FREE_METHODS = ("ar", "ngram", "ngram-prompt")
+# what drafts next to a target off the CPU (a GPU): the model-free methods, and the learned
+# drafters whose draft network runs on the target's device (``lyanna.drafters.placement``)
+DEVICE_METHODS = (
+    *MODEL_FREE_METHODS,
+    "eagle",
+    "lyanna",
+    "lyanna-unfused",
+    "lyanna-noresample",
+)
 FREE_FALLBACK = "ngram"  # what a gated learned drafter's gated-off steps draft from
 
 
@@ -160,16 +169,18 @@ def make_drafter(
     and room for ``capacity`` (default: 16 sequences of 4,096 rows). With ``gate`` and a
     budget that knows the target's cost curve, each sequence drafts only while drafting pays
     (``lyanna.drafters.gate``): every learned drafter; n-gram drafting is free. With
-    ``free_fallback`` a gated-off step drafts from ``FREE_FALLBACK`` instead of nothing."""
+    ``free_fallback`` a gated-off step drafts from ``FREE_FALLBACK`` instead of nothing. Next
+    to a target off the CPU (a GPU) only ``DEVICE_METHODS`` draft: EAGLE-2 and Lyanna run
+    their draft networks on its device (``lyanna.drafters.placement``); SPS is refused."""
     try:
         factory = DRAFTERS[name]
     except KeyError:
         raise KeyError(f"unknown method {name!r}; known: {sorted(DRAFTERS)}") from None
     device = model.embed_tokens.weight.device
-    if device.type != "cpu" and name not in MODEL_FREE_METHODS:
+    if device.type != "cpu" and name not in DEVICE_METHODS:
         raise ValueError(
-            f"the {name!r} drafter runs on the CPU only (its draft KV, trees and sampling are "
-            f"CPU tensors); the target is on {device}: serve {MODEL_FREE_METHODS} there"
+            f"the {name!r} drafter runs on the CPU only (its draft network and KV are CPU "
+            f"tensors); the target is on {device}: serve one of {DEVICE_METHODS} there"
         )
     budget = budget or default_budget(name, model)
     capacity = capacity or DraftCapacity()
@@ -189,6 +200,7 @@ def make_drafter(
 
 __all__ = [
     "DEFAULT_BUDGETS",
+    "DEVICE_METHODS",
     "DRAFTERS",
     "DraftBudget",
     "DraftCapacity",

@@ -15,6 +15,11 @@ top-k set: ``DraftScheme.TOPK``; at temperature > 0 children are drawn without r
 instead (``lyanna.drafters.sampled``). Every step is a few tensor ops over the whole batch: no
 Python loop runs per node, per mask row or per sequence until the nodes are read back.
 
+On a GPU (``lyanna.drafters.placement``) the forwards, LM head, softmax and draws run on the
+drafter's device and each depth's children come to the CPU in one copy (``Children.to_host``);
+the tree's bookkeeping (tokens, parents, joint probabilities, frontier, masks) is CPU tensors,
+and the few index tensors a forward needs (rows, mask, positions, parent slots) go back.
+
 A subclass provides the draft KV cache, the hot vocabulary and its LM head, the rotary tables,
 ``_catch_up`` (committed tokens into the draft KV) and ``_node_forward`` (what one tree step
 computes); its per-sequence states (``_seqs``) follow ``RootedState``.
@@ -66,6 +71,7 @@ class DynamicTreeDrafter(SampledDrafting):
     rope_sin: torch.Tensor
     _seqs: dict[int, RootedState]
     _depth_seconds: float | None = None  # how long the last draft depth took
+    generic: bool = False  # the device-generic path (placement): children copied to the CPU
 
     @torch.inference_mode()
     def propose(self, seq_ids: list[int]) -> list[TokenTree]:
@@ -119,14 +125,16 @@ class DynamicTreeDrafter(SampledDrafting):
         in_tree = visible.gather(2, tree_row.clamp(0, width - 1)[:, None].expand(B, k, kv_len))
         mask = (tree_row < 0)[:, None] | (in_tree & (tree_row < width)[:, None])
         positions = (lengths + depth - 1)[:, None].expand(B, k)
+        device = self.rope_cos.device  # the drafter's: built on the CPU, moved (CPU: no-op)
+        positions = positions.to(device)
         ctx = TreeContext(
             cache=self.cache,
-            slots=slots,
-            rows=rows,
+            slots=slots,  # CPU bookkeeping, as in ForwardContext
+            rows=rows.to(device),
             kv_len=kv_len,
             cos=self.rope_cos[positions].unsqueeze(1),
             sin=self.rope_sin[positions].unsqueeze(1),
-            mask=mask.unsqueeze(1),
+            mask=mask.unsqueeze(1).to(device),
         )
         with scope(LAYER_SCOPE):
             return self._node_forward(ctx, parent_states, tokens)
@@ -135,6 +143,7 @@ class DynamicTreeDrafter(SampledDrafting):
         """states [B, n, d] -> (log probs [B, n, k], token ids [B, n, k]) of the top-k hot
         tokens of each node."""
         children = head_children(self.lm_head, states, k, [None] * states.shape[0])
+        children = children.to_host(self.generic)
         return children.values, self.hot_vocab[children.columns]
 
     def _grow(
@@ -154,7 +163,7 @@ class DynamicTreeDrafter(SampledDrafting):
         B = len(states)
         draws = draws or [None] * B
         root_states = torch.stack([s.root_state for s in states])[:, None]  # [B, 1, d]
-        children = head_children(self.lm_head, root_states, k, draws)  # [B, 1, k]
+        children = head_children(self.lm_head, root_states, k, draws).to_host(self.generic)
         sampled = SampledTrees(children.sampled)
         if sampled.batch:
             sampled.add(children, torch.zeros(B, 1, dtype=torch.int64), torch.zeros(B, 1))
@@ -183,7 +192,7 @@ class DynamicTreeDrafter(SampledDrafting):
             out = self._tree_forward(
                 lengths, slots, depth, frontier_states, frontier_tokens, visible[..., : depth * k]
             )
-            children = head_children(self.lm_head, out, k, draws)  # [B, k, k]
+            children = head_children(self.lm_head, out, k, draws).to_host(self.generic)
             sampled.add(children, frontier, joint)
             child_logq, child_tokens = children.values, self.hot_vocab[children.columns]
             tokens.append(child_tokens.reshape(B, k * k))
@@ -194,8 +203,9 @@ class DynamicTreeDrafter(SampledDrafting):
             parent_slot = best // k  # [B, k] which frontier entry each new node came from
             frontier = num_nodes + best
             num_nodes += k * k
-            frontier_states = out.gather(1, parent_slot[..., None].expand(-1, -1, out.shape[-1]))
-            frontier_tokens = tokens[-1].gather(1, best)
+            index = parent_slot.to(out.device)[..., None].expand(-1, -1, out.shape[-1])
+            frontier_states = out.gather(1, index)  # on the device
+            frontier_tokens = tokens[-1].gather(1, best)  # CPU: _node_forward moves them
             joint = cand_joint.gather(1, best)
             ancestors = visible.gather(1, parent_slot[..., None].expand(-1, -1, visible.shape[-1]))
             joints.append(cand_joint)

@@ -10,6 +10,10 @@ last output is the *root feature* (the predicted state of the root token).
 
 Tree growth is EAGLE-2's dynamic tree (``lyanna.drafters.dynamic_tree``): a tree node runs
 ``fc(parent state, embed(node token))`` through the head at its tree position.
+
+The head runs on the target's device (``lyanna.drafters.placement``): on the CPU with the fast
+paths of ``lyanna.drafters.heads``, elsewhere (a GPU) as plain modules in the target's dtype
+with its draft KV there; the target's hidden states are used where they arrive.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from lyanna.drafters.heads import (
     hot_lm_head,
     prepare_draft_layers,
 )
+from lyanna.drafters.placement import DraftPlacement
 from lyanna.drafters.scopes import LAYER_SCOPE, scope
 from lyanna.kv_cache import KVCache
 from lyanna.model.quant import runs_q4
@@ -53,23 +58,32 @@ class EagleDrafter(DynamicTreeDrafter):
         max_running: int = 16,
         max_len: int = 4096,
         sample_drafts: bool = True,  # at T > 0: children drawn without replacement
-        weight_dtype: torch.dtype | str | None = "auto",  # "auto": draft_weight_dtype(target)
+        weight_dtype: torch.dtype | str | None = "auto",  # "auto": see DraftPlacement.of
+        generic: bool = False,  # the device-generic path on the CPU too (tests)
     ) -> None:
         self.budget = budget or DraftBudget()
         self._init_sampling(sample_drafts)
         head = head if head is not None else load_eagle_head(DEFAULT_CHECKPOINT)
         self.head = head.float().eval()
-        dtype = draft_weight_dtype(target) if weight_dtype == "auto" else weight_dtype
-        prepare_draft_layers(self.head, dtype, q4_layers=runs_q4(target))
+        self.placement = place = DraftPlacement.of(target, weight_dtype, generic)
+        self.generic = place.generic
         self.embedding = target.embed_tokens  # shared, frozen
-        self.hot_vocab = self.head.hot_vocab  # [num_hot] int64
-        self.lm_head = hot_lm_head(
-            target.embed_tokens.weight, self.hot_vocab, dtype, embedding_blocks(target)
-        )
-        self.rope_cos, self.rope_sin = self.head.rope_cos, self.head.rope_sin
+        self.hot_vocab = self.head.hot_vocab.cpu()  # [num_hot] int64: tree bookkeeping
+        if place.generic:  # plain modules on the target's device
+            place.move(self.head, self.head.fc, self.head.layer)
+            self.lm_head = hot_lm_head(
+                target.embed_tokens.weight, self.hot_vocab, place.dtype, generic=True
+            )
+        else:  # the CPU fast paths
+            dtype = draft_weight_dtype(target) if weight_dtype == "auto" else weight_dtype
+            prepare_draft_layers(self.head, dtype, q4_layers=runs_q4(target))
+            self.lm_head = hot_lm_head(
+                target.embed_tokens.weight, self.hot_vocab, dtype, embedding_blocks(target)
+            )
+        self.rope_cos, self.rope_sin = self.head.rope_cos, self.head.rope_sin  # float32
         config = self.head.config.layer_config()
         max_len = min(max_len, config.max_position_embeddings)
-        self.cache = KVCache(config, max_running, max_len, torch.float32)
+        self.cache = KVCache(config, max_running, max_len, place.dtype, place.device)
         self._seqs: dict[int, _DraftState] = {}
 
     # -- Drafter protocol --------------------------------------------------------------
@@ -99,25 +113,22 @@ class EagleDrafter(DynamicTreeDrafter):
     def _catch_up(self, states: list[_DraftState]) -> None:
         """Run the queued (hidden state, next token) pairs into the draft KV and commit them;
         the last output of each sequence becomes its root feature."""
-        hidden = [torch.cat(s.pending_hidden).float() for s in states]
+        place = self.placement
+        hidden = [place.rows(torch.cat(s.pending_hidden)) for s in states]
         counts = [h.shape[0] for h in hidden]
         q = max(counts)
-        slots = torch.tensor([s.slot for s in states])
+        slots = torch.tensor([s.slot for s in states])  # CPU bookkeeping, as the target's
         if min(counts) == q:  # nothing to pad (always so for one sequence)
             feats = torch.stack(hidden)
         else:
-            feats = torch.zeros(len(states), q, hidden[0].shape[1])
+            feats = hidden[0].new_zeros(len(states), q, hidden[0].shape[1])
             for b, h in enumerate(hidden):
                 feats[b, : h.shape[0]] = h
-        tokens = torch.tensor(
-            [s.pending_tokens + [0] * (q - len(s.pending_tokens)) for s in states]
-        )
-        positions = self.cache.lengths[slots][:, None] + torch.arange(q)
-        ctx = ForwardContext(
-            self.cache, slots, positions, None, self.head.rope_cos, self.head.rope_sin
-        )
+        tokens = [s.pending_tokens + [0] * (q - len(s.pending_tokens)) for s in states]
+        positions = place.ids(self.cache.lengths[slots][:, None] + torch.arange(q))
+        ctx = ForwardContext(self.cache, slots, positions, None, self.rope_cos, self.rope_sin)
         with scope(LAYER_SCOPE):
-            out = self.head.layer(self.head.fuse(feats, self.embedding(tokens)), ctx, 0)
+            out = self.head.layer(self.head.fuse(feats, self._embed(tokens)), ctx, 0)
         for b, (s, h) in enumerate(zip(states, hidden, strict=True)):
             n = h.shape[0]
             self.cache.commit_prefix(s.slot, n)
@@ -131,4 +142,8 @@ class EagleDrafter(DynamicTreeDrafter):
         parent_states: torch.Tensor,  # [B, k, d] parents' predicted states
         tokens: torch.Tensor,  # [B, k]
     ) -> torch.Tensor:  # [B, k, d] predicted states of the nodes
-        return self.head.layer(self.head.fuse(parent_states, self.embedding(tokens)), ctx, 0)
+        return self.head.layer(self.head.fuse(parent_states, self._embed(tokens)), ctx, 0)
+
+    def _embed(self, tokens: list[list[int]] | torch.Tensor) -> torch.Tensor:  # [B, q, d]
+        """The target's embeddings of ``tokens`` (built on the CPU) in the head's dtype."""
+        return self.embedding(self.placement.ids(tokens)).to(self.placement.dtype)

@@ -31,14 +31,15 @@ from lyanna.model.transformer import Block
 
 
 class Linear(nn.Module):
-    """A bias-free linear over fixed rows (fallback where oneDNN prepacking is unavailable)."""
+    """A bias-free linear over fixed rows: the fallback where oneDNN prepacking is unavailable,
+    and the head of the device-generic path (a GPU). Inputs are cast to the rows' dtype."""
 
     def __init__(self, weight: torch.Tensor) -> None:  # weight [out, in]
         super().__init__()
         self.weight = weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x.to(self.weight.dtype), self.weight)
 
 
 def hot_lm_head(
@@ -46,10 +47,16 @@ def hot_lm_head(
     hot_vocab: torch.Tensor,
     dtype: torch.dtype | None = None,
     blocks: BlockLinear | None = None,
+    generic: bool = False,
 ) -> nn.Module:
     """The tied LM head restricted to the hot rows: [..., d] -> [..., num_hot] logits. From
     ``blocks`` (the target's Q8_0 embedding, ``embedding_blocks``) where given: the file's
-    own weights at about half the bytes of bf16; else fp32, or ``dtype`` when prepacked."""
+    own weights at about half the bytes of bf16; else fp32, or ``dtype`` when prepacked.
+    ``generic`` (``lyanna.drafters.placement``): plain rows in ``dtype`` (default fp32) on the
+    embedding's device, gathered once."""
+    if generic:
+        index = hot_vocab.to(embedding.device)
+        return Linear(embedding.detach()[index].to(dtype or torch.float32).contiguous())
     if blocks is not None and hot_vocab.numel() % TILE == 0:
         return blocks.rows(hot_vocab)
     rows = embedding.detach()[hot_vocab].float().contiguous()  # [num_hot, d]

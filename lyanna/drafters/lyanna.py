@@ -8,6 +8,11 @@ tree is built by token-info sampling and pruned to the budget. After verificatio
 accepted path stopped early, the chain's remaining logits are re-sampled from the bonus
 token (no new forward) and the subtree is either merged into the next verification tree
 (fusion) or verified on its own in the next step (unfused ablation).
+
+The draft model runs on the target's device (``lyanna.drafters.placement``): on the CPU with
+the fast paths of ``lyanna.drafters.heads``, elsewhere (a GPU) as plain modules in the
+target's dtype with its draft KV, chain logits and token-info table there; trees are built on
+the CPU from each depth's children (one copy per depth).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from lyanna.drafters.heads import (
     prepare_draft_layers,
 )
 from lyanna.drafters.lyanna_model import LyannaDraftConfig, LyannaDraftModel
+from lyanna.drafters.placement import DraftPlacement
 from lyanna.drafters.sampled import DraftSampling, SampledDrafting
 from lyanna.drafters.scopes import LAYER_SCOPE, LM_HEAD_SCOPE, scope
 from lyanna.drafters.token_info_tree import build_subtrees, resample_subtree
@@ -75,23 +81,34 @@ class LyannaDrafter(SampledDrafting):
         resample: ResampleConfig | None = None,
         max_running: int = 16,
         max_len: int = 4096,
-        weight_dtype: torch.dtype | str | None = "auto",  # "auto": draft_weight_dtype(target)
+        weight_dtype: torch.dtype | str | None = "auto",  # "auto": see DraftPlacement.of
         sample_drafts: bool = True,  # at T > 0: children drawn without replacement
+        generic: bool = False,  # the device-generic path on the CPU too (tests)
     ) -> None:
         self.draft = draft.eval()
-        dtype = draft_weight_dtype(target) if weight_dtype == "auto" else weight_dtype
-        prepare_draft_layers(
-            draft, dtype, q4_layers=runs_q4(target)
-        )  # once, in place: inference only
-        shared = draft.embedding.data_ptr() == target.embed_tokens.weight.data_ptr()
-        blocks = embedding_blocks(target) if shared else None  # the target's own rows
-        self.lm_head = hot_lm_head(draft.embedding, draft.hot_ids, dtype, blocks)  # not per step
+        self.placement = place = DraftPlacement.of(target, weight_dtype, generic)
+        # the hot maps build trees and index their rows: CPU bookkeeping on every device
+        self.hot_ids, self.hot_index = draft.hot_ids.cpu(), draft.hot_index.cpu()
+        if place.generic:  # plain modules on the target's device (the table from fp32 weights)
+            place.move(draft)
+            info = draft.collapsed_token_info() if draft.config.use_token_info else None
+            place.move(draft, draft.fc, draft.layer, draft.out_norm)
+            self.lm_head = hot_lm_head(draft.embedding, self.hot_ids, place.dtype, generic=True)
+        else:  # the CPU fast paths
+            dtype = draft_weight_dtype(target) if weight_dtype == "auto" else weight_dtype
+            prepare_draft_layers(draft, dtype, q4_layers=runs_q4(target))  # once, in place
+            shared = draft.embedding.data_ptr() == target.embed_tokens.weight.data_ptr()
+            blocks = embedding_blocks(target) if shared else None  # the target's own rows
+            self.lm_head = hot_lm_head(draft.embedding, draft.hot_ids, dtype, blocks)
+            info = draft.collapsed_token_info() if draft.config.use_token_info else None
+        self.info_table = info  # [num_hot, num_hot] on the draft's device, or None
         self.budget = budget or DraftBudget()
         self._init_sampling(sample_drafts)  # and the gain calibrations
         self.resample = resample or ResampleConfig()
         layer_config = replace(draft.config.target, num_layers=1)
-        self.cache = KVCache(layer_config, max_running, max_len + self.budget.depth + 1)
-        self.info_table = draft.collapsed_token_info() if draft.config.use_token_info else None
+        self.cache = KVCache(
+            layer_config, max_running, max_len + self.budget.depth + 1, place.dtype, place.device
+        )
         self.seqs: dict[int, _SeqState] = {}
         self._target = target
 
@@ -110,7 +127,7 @@ class LyannaDrafter(SampledDrafting):
 
     def start(self, seq_id, prompt_ids, prompt_hidden, first_token, params=None) -> None:
         self._start_sampling(seq_id, params)
-        following = torch.tensor([*prompt_ids[1:], first_token])
+        following = self.placement.ids([*prompt_ids[1:], first_token])
         with torch.inference_mode():
             pending = self.draft.fuse(self._own_dtype(prompt_hidden), following)
         self.seqs[seq_id] = _SeqState(self.cache.allocate(), first_token, pending, 0)
@@ -134,8 +151,8 @@ class LyannaDrafter(SampledDrafting):
                     self.resample.min_remaining,
                     self.budget.top_k,
                     self.info_table,
-                    self.draft.hot_ids,
-                    self.draft.hot_index,
+                    self.hot_ids,
+                    self.hot_index,
                 )
             state.chain_logits = None
         return resampled
@@ -180,15 +197,15 @@ class LyannaDrafter(SampledDrafting):
         """Fuse the verified steps' rows waiting since the sequence last drafted, in one call."""
         if state.unfused:
             hidden = torch.cat([h for h, _ in state.unfused])
-            following = torch.cat([t for _, t in state.unfused])
+            following = self.placement.ids(torch.cat([t for _, t in state.unfused]))
             fused = self.draft.fuse(self._own_dtype(hidden), following)
             state.pending = torch.cat([state.pending, fused])
             state.unfused.clear()
 
     def _own_dtype(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's hidden rows in the draft's own dtype (a bf16 target's rows run
-        through a float32 draft; a no-op when they agree)."""
-        return hidden.to(self.draft.out_norm.weight.dtype)
+        """The target's hidden rows on the draft's device in its own dtype (a bf16 target's
+        rows run through a float32 CPU draft; a no-op when they agree)."""
+        return hidden.to(self.placement.device, self.draft.out_norm.weight.dtype)
 
     @torch.inference_mode()
     def _fresh_trees(
@@ -207,27 +224,27 @@ class LyannaDrafter(SampledDrafting):
             [s.root for s in states],
             self.budget.top_k,
             self.info_table,
-            self.draft.hot_ids,
-            self.draft.hot_index,
+            self.hot_ids,
+            self.hot_index,
             draws,
         )
         return [nodes.prune(self.budget.max_tokens) for nodes in fresh]  # the cap
 
     def _chains(self, states: list[_SeqState]) -> torch.Tensor:  # [B, N, n]
         """h1 from the pending context, then h2..hN from the chain alone."""
-        draft, cache = self.draft, self.cache
+        draft, cache, place = self.draft, self.cache, self.placement
         for s in states:
             self._fuse_pending(s)
-        slots = torch.tensor([s.slot for s in states])
+        slots = torch.tensor([s.slot for s in states])  # CPU bookkeeping, as the target's
         counts = [s.pending.shape[0] for s in states]
         width = max(counts)
         if min(counts) == width:  # nothing to pad (always so for one sequence)
             x = torch.stack([s.pending for s in states])
         else:
-            x = torch.zeros(len(states), width, draft.config.target.hidden_size)
+            x = states[0].pending.new_zeros(len(states), width, draft.config.target.hidden_size)
             for b, s in enumerate(states):
                 x[b, : counts[b]] = s.pending
-        positions = torch.tensor(  # padding rows repeat the last position
+        positions = place.ids(  # padding rows repeat the last position
             [
                 [s.next_position + min(j, m - 1) for j in range(width)]
                 for s, m in zip(states, counts, strict=True)
@@ -239,7 +256,7 @@ class LyannaDrafter(SampledDrafting):
         if min(counts) == width:
             last = out[:, -1]
         else:
-            last = out[torch.arange(len(states)), torch.tensor(counts) - 1]
+            last = out[place.ids(list(range(len(states)))), place.ids(counts) - 1]
         h = draft.out_norm(last)  # [B, n] = h1
         context_len = []
         for s, m in zip(states, counts, strict=True):
@@ -249,7 +266,7 @@ class LyannaDrafter(SampledDrafting):
             context_len.append(s.next_position)
         chain = [h]
         for step in range(1, self.budget.depth):
-            pos = torch.tensor([[p + step - 1] for p in context_len])
+            pos = place.ids([[p + step - 1] for p in context_len])
             ctx = ForwardContext(cache, slots, pos, None, draft.rope_cos, draft.rope_sin)
             h = draft.out_norm(draft.layer(h[:, None], ctx, 0)[:, 0])
             for s in states:

@@ -20,6 +20,7 @@ import torch
 
 from lyanna.draft_nodes import DraftNodes
 from lyanna.drafters.base import VerifiedStep
+from lyanna.drafters.placement import to_host
 from lyanna.drafters.scopes import LM_HEAD_SCOPE, SAMPLE_SCOPE, SOFTMAX_SCOPE, scope
 from lyanna.sampling import SamplingParams, logits_to_probs, sample_distinct
 from lyanna.tree import DraftScheme
@@ -64,6 +65,18 @@ class Children:
     rows: torch.Tensor | None = None
     top: torch.Tensor | None = None
 
+    def to_host(self, force: bool = False) -> Children:
+        """These children on the CPU, where trees are built: one device-to-host copy per
+        expansion, whatever the batch (``placement.to_host``; CPU children are returned as
+        they are unless ``force``)."""
+        parts = [self.values, self.columns]
+        if self.rows is not None:
+            parts += [self.rows, self.top]
+        if not force and self.values.device.type == "cpu":
+            return self
+        values, columns, *sampled_rows = to_host(*parts, force=True)
+        return Children(values, columns, self.sampled, *sampled_rows)
+
 
 def draw_children(
     logits: torch.Tensor,  # [B, n, num_hot] raw draft logits of n nodes per sequence
@@ -72,7 +85,8 @@ def draw_children(
     log_space: bool = True,  # values as log probabilities (else probabilities)
 ) -> Children:
     """Each node's k children: its top-k hot columns, or for a sampling sequence k columns
-    drawn without replacement from its processed row."""
+    drawn without replacement from its processed row. Computed where ``logits`` are (a GPU
+    drafter's device); the draws use the sequences' CPU generators wherever that is."""
     with scope(SOFTMAX_SCOPE):
         logits = logits.float()
         probs = logits.log_softmax(-1) if log_space else logits.softmax(-1)
@@ -81,9 +95,11 @@ def draw_children(
     if not sampled:
         return Children(top.values, top.indices, sampled)
     with scope(SAMPLE_SCOPE):
-        chosen = torch.tensor(sampled)
-        temperature = torch.tensor([draws[b].temperature for b in sampled])[:, None, None]
-        top_p = torch.tensor([draws[b].top_p for b in sampled])[:, None, None]
+        device = logits.device  # per-row settings meet the rows there
+        chosen = torch.tensor(sampled, device=device)
+        temperature = torch.tensor([draws[b].temperature for b in sampled], device=device)
+        top_p = torch.tensor([draws[b].top_p for b in sampled], device=device)
+        temperature, top_p = temperature[:, None, None], top_p[:, None, None]
         rows = logits_to_probs(logits[chosen], temperature, top_p)  # [S, n, num_hot]
         picks = torch.stack(
             [sample_distinct(rows[i], k, draws[b].generator) for i, b in enumerate(sampled)]

@@ -11,6 +11,10 @@ deterministically, so the tree is a ``DraftScheme.TOPK`` candidate set (lossless
 deterministic-candidate rule); at temperature > 0 they are drawn without replacement from
 the processed rows instead (``lyanna.drafters.sampled``: a WITHOUT_REPLACEMENT tree).
 
+The logits and the table may live on a GPU (``lyanna.drafters.placement``): each step's rows,
+softmax and draws run there and its children come to the CPU in one copy; the nodes, the
+frontier and the hot maps (``hot_ids``, ``hot_index``) are CPU bookkeeping.
+
 Worked example (k = 2, two steps): root "model" -> children "training" (0.6), "inference"
 (0.3); both are kept as frontier; step 2 gives "training" -> "server" (0.7 -> joint 0.42) and
 "data" (0.2 -> 0.12), "inference" -> "speed" (0.8 -> 0.24), "cost" (0.1 -> 0.03); the next
@@ -22,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from lyanna.draft_nodes import DraftNodes
+from lyanna.drafters.placement import to_host
 from lyanna.drafters.sampled import DraftSampling, SampledTrees, draw_children
 
 
@@ -54,7 +59,7 @@ def build_subtrees(
     for step in range(logits.shape[1]):
         rows = logits[:, step, None].expand(-1, frontier.shape[1], -1).float()
         rows = _with_token_info(rows, frontier_hot, info_table, first=step == 0)
-        children = draw_children(rows, top_k, draws, log_space=False)  # [B, f, k]
+        children = draw_children(rows, top_k, draws, log_space=False).to_host()  # [B, f, k]
         sampled.add(children, frontier, frontier_log_joint)
         child_probs, child_cols = children.values, children.columns
         log_joint = (frontier_log_joint[..., None] + child_probs.double().log()).flatten(1)
@@ -81,7 +86,8 @@ def _greedy_chains(
     """``build_subtrees`` with ``top_k`` 1 and no sampled draws (the serving default on a
     4-bit CPU target): every tree is a chain whose frontier is its one child, so a step is
     the general path's row arithmetic and ``draw_children`` without the joint bookkeeping
-    that only a wider frontier needs (the same nodes and probabilities)."""
+    that only a wider frontier needs (the same nodes and probabilities). Off the CPU the
+    chain stays on the device until its columns and probabilities come back in one copy."""
     B, steps = logits.shape[:2]
     roots = torch.tensor(root_tokens, dtype=torch.int64)
     hot = hot_index[roots][:, None]  # [B, 1] hot row of each chain's newest token, -1 if cold
@@ -92,8 +98,9 @@ def _greedy_chains(
         hot = children.columns[:, 0]
         columns.append(hot)
         probs.append(children.values[:, 0])
-    tokens = torch.cat([roots[:, None], hot_ids[torch.cat(columns, 1)]], 1).tolist()
-    chain_probs = torch.cat([torch.ones(B, 1), *probs], 1).tolist()
+    chain_columns, chain_probs = to_host(torch.cat(columns, 1), torch.cat(probs, 1))
+    tokens = torch.cat([roots[:, None], hot_ids[chain_columns]], 1).tolist()
+    chain_probs = torch.cat([torch.ones(B, 1), chain_probs], 1).tolist()
     parents = list(range(-1, steps))
     return [DraftNodes(t, list(parents), p) for t, p in zip(tokens, chain_probs, strict=True)]
 
@@ -109,6 +116,7 @@ def _with_token_info(
     always hot."""
     if info_table is None:
         return rows
+    hot = hot.to(rows.device)  # a CPU frontier meets a GPU table (CPU: no-op)
     if first:
         info = info_table[hot.clamp(min=0)].float()
         return torch.where((hot >= 0)[..., None], rows + info, rows)

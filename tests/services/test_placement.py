@@ -125,12 +125,12 @@ def test_bf16_model_keeps_its_kv_cache_and_hidden_rows_in_bf16(tiny_model_dir) -
     assert capacity.hidden_dtype == "bfloat16"
 
 
-def test_learned_drafters_refuse_a_target_off_the_cpu() -> None:
-    """Only the model-free methods draft next to a target on another device (a GPU; the
-    meta device stands in for it here): the others say so when built."""
+def test_cpu_only_drafters_refuse_a_target_off_the_cpu() -> None:
+    """Only the model-free methods, EAGLE-2 and Lyanna draft next to a target on another
+    device (a GPU; the meta device stands in for it here): SPS says so when built."""
     model = make_tiny_model(2, vocab_size=16).to("meta")
     with pytest.raises(ValueError, match="CPU only"):
-        make_drafter("eagle", model, DraftBudget(4, 2, 6))
+        make_drafter("sps", model, DraftBudget(4, 2, 6))
     assert isinstance(make_drafter("ngram", model, DraftBudget(4, 2, 6)), NgramDrafter)
 
 

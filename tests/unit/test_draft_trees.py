@@ -250,10 +250,15 @@ def recording_masks(drafter: EagleDrafter) -> list[torch.Tensor]:
     return masks
 
 
-@pytest.mark.parametrize("seed", range(24))
-def test_dynamic_tree_equals_per_node_builder(seed: int) -> None:
+@pytest.mark.parametrize(
+    "seed, generic",
+    [(seed, False) for seed in range(24)] + [(seed, True) for seed in range(6)],
+)
+def test_dynamic_tree_equals_per_node_builder(seed: int, generic: bool) -> None:
     """Random heads (hot vocabularies with repeated tokens, so equal logits tie), budgets,
-    batch sizes and context lengths; three draft steps with random verification outcomes."""
+    batch sizes and context lengths; three draft steps with random verification outcomes.
+    ``generic``: the device-generic path a GPU runs (lyanna.drafters.placement), on the CPU,
+    each depth's children copied through the one-copy packing."""
     rng = random.Random(seed)
     vocab = 24
     model = make_tiny_model(seed, vocab_size=vocab)
@@ -263,7 +268,7 @@ def test_dynamic_tree_equals_per_node_builder(seed: int) -> None:
         hot[: hot.numel() // 2] = hot[hot.numel() // 2 : 2 * (hot.numel() // 2)].clone()
     budget = DraftBudget(rng.randint(1, 5), rng.randint(1, 5), rng.randint(1, 40))
     batch = rng.randint(1, 4)
-    drafter = EagleDrafter(model, head, budget, max_running=batch, max_len=128)
+    drafter = EagleDrafter(model, head, budget, max_running=batch, max_len=128, generic=generic)
     masks = recording_masks(drafter)
     d = model.config.hidden_size
     for s in range(batch):
