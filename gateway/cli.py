@@ -116,8 +116,8 @@ def _add_placement(parser: argparse.ArgumentParser, services: bool = False) -> N
         "--device",
         type=checked(lambda name: parse_device(name, usable_here=False)),
         default=os.environ.get("LYANNA_DEVICE", "cpu"),
-        help=f"where {where} runs: cpu, cuda or cuda:N; off the CPU only the ngram and ar "
-        "methods draft (env LYANNA_DEVICE)",
+        help=f"where {where} runs: cpu, cuda or cuda:N; off the CPU every method but sps "
+        "drafts there (env LYANNA_DEVICE)",
     )
     parser.add_argument(
         "--dtype",

@@ -33,7 +33,7 @@ class DrafterConfig:
     # the cost curve of --tree cost is measured on it
     weights: str = "auto"
     # where the target (and the drafter's inputs) live: the verifier's --device / --dtype;
-    # learned drafters draft on the CPU only (lyanna.drafters.make_drafter says so)
+    # EAGLE-2 and Lyanna draft on that device too (lyanna.drafters.placement); SPS on the CPU only
     device: str = "cpu"  # cpu | cuda | cuda:N
     dtype: str = "float32"  # float32 | bfloat16 (bf16) | float16 (fp16)
     # tree shape; unset = the method's measured default (lyanna.drafters.DEFAULT_BUDGETS)
