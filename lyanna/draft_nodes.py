@@ -83,8 +83,7 @@ class DraftNodes:
             return self._keep([0, *sorted(self._sampled_order()[:budget])])
         if budget >= self.num_drafted:
             return self
-        probs = None if self.probs is None else torch.tensor(self.probs, dtype=torch.float64)
-        return self._keep(best_nodes(self.parents, log_joint_of(self.parents, probs), budget))
+        return self._keep(best_nodes(self.parents, log_joint_of(self.parents, self.probs), budget))
 
     def _keep(self, keep: list[int]) -> DraftNodes:  # ascending node indices, root first
         if len(keep) == len(self.tokens):
@@ -127,7 +126,7 @@ class DraftNodes:
             return None
         if self.sampled:
             return [self.gains[i] for i in self._sampled_order()]
-        log_joint = log_joint_of(self.parents, torch.tensor(self.probs, dtype=torch.float64))
+        log_joint = log_joint_of(self.parents, self.probs)
         order = sorted(range(1, len(self.parents)), key=lambda i: (-log_joint[i], i))
         return [math.exp(log_joint[i]) for i in order]
 

@@ -18,6 +18,7 @@ from, after the same temperature/top-p processing as the target (`lyanna.samplin
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -296,15 +297,23 @@ class TokenTree:
 
 def log_joint_of(
     parents: list[int],
-    token_probs: torch.Tensor | None,  # [num_nodes]
+    token_probs: torch.Tensor | Sequence[float] | None,  # [num_nodes]
 ) -> list[float]:
     """Log joint draft probability of every node (0 without probabilities), summed root to
-    node in float64 exactly as pruning has always ranked nodes."""
+    node in float64 exactly as pruning has always ranked nodes. A drafter's candidate lists
+    (``DraftNodes``) take ``math.log`` instead of a tensor round trip: on the few nodes of a
+    step's tree the torch ops (a tensor, a clamp, a log, a copy back) cost more than the
+    arithmetic (measured); the two logs may differ in the last bit, which can only reorder
+    nodes whose joint probabilities tie to 1e-16."""
     log_joint = [0.0] * len(parents)
-    if token_probs is not None:
+    if token_probs is None:
+        return log_joint
+    if isinstance(token_probs, torch.Tensor):
         log_q = token_probs.double().clamp(0.0, 1.0).log().tolist()
-        for i in range(1, len(parents)):
-            log_joint[i] = log_joint[parents[i]] + log_q[i]
+    else:
+        log_q = [math.log(min(q, 1.0)) if q > 0.0 else -math.inf for q in token_probs]
+    for i in range(1, len(parents)):
+        log_joint[i] = log_joint[parents[i]] + log_q[i]
     return log_joint
 
 
