@@ -83,7 +83,7 @@ class DynamicTreeDrafter(SampledDrafting):
         draws = self._draws(seq_ids)
         nodes = self._grow(states, start, draws)
         elapsed = time.perf_counter() - start
-        calibrations = [self._calibration_of(s) for s in seq_ids]
+        calibrations = self._calibrations_for(seq_ids)
         return [n.to_tree() for n in self.budget.prune(nodes, elapsed, calibrations)]
 
     def release(self, seq_id: int) -> None:

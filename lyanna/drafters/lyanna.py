@@ -182,7 +182,7 @@ class LyannaDrafter(SampledDrafting):
                 s.resampled if f is None else f for s, f in zip(states, fresh, strict=True)
             ]
         # fused re-sampled nodes compete with fresh ones for the same verification budget
-        calibrations = [self._calibration_of(s) for s in seq_ids]
+        calibrations = self._calibrations_for(seq_ids)
         trees = self.budget.prune(candidates, time.perf_counter() - start, calibrations)
         for state, kept, own in zip(states, trees, fresh, strict=True):
             if state.resampled is not None:

@@ -175,12 +175,14 @@ class SampledDrafting:
     calibration: GainCalibration  # top-k trees: what their predicted gains are worth
     sampled_calibration: GainCalibration  # the same for sampled trees
     _sampling: dict[int, DraftSampling]
+    _awaiting: set[int]  # sequences whose step in flight this drafter proposed
 
     def _init_sampling(self, sample_drafts: bool) -> None:
         self.sample_drafts = sample_drafts
         self.calibration = GainCalibration()
         self.sampled_calibration = GainCalibration()
         self._sampling = {}
+        self._awaiting = set()
 
     @property
     def scheme(self) -> DraftScheme:
@@ -196,6 +198,7 @@ class SampledDrafting:
 
     def _stop_sampling(self, seq_id: int) -> None:
         self._sampling.pop(seq_id, None)
+        self._awaiting.discard(seq_id)
 
     def _draws(self, seq_ids: list[int]) -> list[DraftSampling | None]:
         return [self._sampling.get(s) for s in seq_ids]
@@ -203,9 +206,19 @@ class SampledDrafting:
     def _calibration_of(self, seq_id: int) -> GainCalibration:
         return self.sampled_calibration if seq_id in self._sampling else self.calibration
 
+    def _calibrations_for(self, seq_ids: list[int]) -> list[GainCalibration]:
+        """The calibration of each tree about to be proposed; their verifications will count."""
+        self._awaiting.update(seq_ids)
+        return [self._calibration_of(s) for s in seq_ids]
+
     def _learn_acceptance(self, steps: list[VerifiedStep]) -> None:
-        """Tell each calibration how many of its trees' tokens were accepted."""
+        """Tell each calibration how many of its trees' tokens were accepted. Only steps this
+        drafter proposed count: behind a gate (``lyanna.drafters.gate``) it also learns the
+        steps its n-gram fallback drafted or that were plain, whose accepted tokens its own
+        predicted gains never covered (counting them inflated its scale)."""
+        mine = [s for s in steps if s.seq_id in self._awaiting]
+        self._awaiting.difference_update(s.seq_id for s in mine)
         for calibration in (self.calibration, self.sampled_calibration):
-            mine = [s for s in steps if self._calibration_of(s.seq_id) is calibration]
-            if mine:
-                calibration.verified(sum(s.num_accepted for s in mine))
+            own = [s.num_accepted for s in mine if self._calibration_of(s.seq_id) is calibration]
+            if own:
+                calibration.verified(sum(own))

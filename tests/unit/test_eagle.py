@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lyanna.decode import generate
-from lyanna.drafters.base import DraftBudget
+from lyanna.drafters.base import DraftBudget, VerifiedStep
 from lyanna.drafters.eagle import EagleDrafter
 from lyanna.drafters.eagle_head import EagleConfig, EagleHead
 from lyanna.engine import EngineConfig, SpecEngine
@@ -159,3 +159,26 @@ def test_runtime_matches_unrolled_training_forward() -> None:
         depth2 = drafter._tree_forward(lengths, slots, 2, depth1, tokens[:, P + 2 : P + 3], seen)
     torch.testing.assert_close(depth1[0, 0], steps[1][0, P], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(depth2[0, 0], steps[2][0, P + 1], atol=1e-4, rtol=1e-4)
+
+
+def test_calibration_counts_only_the_steps_it_proposed() -> None:
+    """Behind a gate the drafter learns every step, also those its n-gram fallback drafted or
+    that were plain: their accepted tokens were never predicted by its own gains, so only the
+    steps it proposed may move its calibration (counting the others inflated its scale)."""
+    model = make_tiny_model()
+    drafter = EagleDrafter(model, random_head(model), DraftBudget(3, 2, 5, cost=COST))
+    prompt = PROMPTS[0]
+    hidden = torch.randn(len(prompt), model.config.hidden_size)
+    drafter.start(0, prompt, hidden, first_token=3)
+
+    def verified(committed: list[int], num_committed: int) -> VerifiedStep:
+        rows = torch.randn(len(committed), model.config.hidden_size)
+        return VerifiedStep(0, committed, rows, 4, len(committed) - 1, num_committed)
+
+    drafter.on_verified([verified([3, 1, 2], len(prompt) + 3)])  # someone else's draft
+    assert drafter.calibration.accepted == 0.0
+    drafter.propose([0])
+    drafter.on_verified([verified([4, 5], len(prompt) + 5)])  # its own: one token accepted
+    assert drafter.calibration.accepted == 1.0
+    drafter.on_verified([verified([4, 4, 4], len(prompt) + 8)])  # someone else's again
+    assert drafter.calibration.accepted == 1.0
