@@ -13,9 +13,9 @@
 # Used on 2026-11-26: docs in training/README.md ("On a GPU").
 set -u
 export PYTHONUNBUFFERED=1 LYANNA_NATIVE=0
-export LYANNA_CACHE=${LYANNA_CACHE:-/root/lyanna-cache}
-G1=${G1:-.dev/g1} G2=${G2:-.dev/g2} OUT=${OUT:-/tmp/out}
-SITE=${SITE:-/root/site}
+export LYANNA_CACHE=${LYANNA_CACHE:-$HOME/.cache/lyanna}
+G1=${G1:-.dev/g1} G2=${G2:-.dev/g2} OUT=${OUT:-runs/gpu/out}
+SITE=${SITE:-$HOME/.cache/lyanna-site}  # where the carried gguf wheel is installed
 t0=$(date +%s)
 say() { echo "[stage $(($(date +%s) - t0))s] $*"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" $G1/gguf-*.whl || exit 1
