@@ -69,11 +69,11 @@ class Children:
         """These children on the CPU, where trees are built: one device-to-host copy per
         expansion, whatever the batch (``placement.to_host``; CPU children are returned as
         they are unless ``force``)."""
+        if not force and self.values.device.type == "cpu":
+            return self  # the CPU path: every draft step, nothing to copy
         parts = [self.values, self.columns]
         if self.rows is not None:
             parts += [self.rows, self.top]
-        if not force and self.values.device.type == "cpu":
-            return self
         values, columns, *sampled_rows = to_host(*parts, force=True)
         return Children(values, columns, self.sampled, *sampled_rows)
 
