@@ -170,6 +170,29 @@ def test_the_avx2_path_computes_the_same_bits() -> None:
             assert torch.equal(load_decoder().block_linear(x, packed, scales), expected)
 
 
+@pytest.mark.parametrize("define", [None, "LYANNA_BLOCKS_AVX2", "LYANNA_BLOCKS_PORTABLE"])
+@pytest.mark.parametrize("int8_rows", [False, True])
+def test_rows_quantize_halves_to_even_in_every_path(define, int8_rows: bool) -> None:
+    """Block maxima of exactly qmax make the scale 1, so inputs of k + 0.5 are ties: every path
+    must round them to even as the reference does (x.5 -> nearest even code), not away."""
+    from lyanna.model.native import load_decoder_variant
+
+    ext = load_decoder() if define is None else load_decoder_variant(define)
+    assert ext is not None
+    qmax = 127.0 if int8_rows else 32767.0
+    blocks = random_blocks(16, 2 * GROUP, seed=21)
+    packed, scales = pack_q4(blocks)
+    halves = torch.arange(GROUP, dtype=torch.float32) - 15.5  # -15.5 ... 15.5: all ties
+    x = torch.stack([torch.cat([halves, halves.flip(0)]), -torch.cat([halves, halves])])
+    x[:, 7] = qmax  # the block maximum: scale max/qmax = 1
+    x[:, GROUP + 3] = -qmax
+    got = ext.block_linear(x, packed, scales, int8_rows)
+    assert torch.equal(got, block_matmul_reference(x, blocks, int8_rows=int8_rows))
+    away = x.clone()
+    away[x.abs() < qmax] += torch.sign(x[x.abs() < qmax]) * 0.25  # what rounding away gives
+    assert not torch.equal(got, block_matmul_reference(away, blocks, int8_rows=int8_rows))
+
+
 def test_a_head_restricted_to_rows_keeps_their_blocks() -> None:
     blocks = random_q8(64, 2 * GROUP, seed=9)
     head = BlockLinear(blocks)

@@ -90,32 +90,99 @@ struct Quantized {
 using QuantizedRows = Quantized<int16_t>;
 using QuantizedRows8 = Quantized<int8_t>;
 
+// One 32-input block of a row: codes (int8: in kOrder8's order), returns the exact sum of the
+// codes; *scale = max|v| / qmax. The vector paths below compute the same integers: the maximum
+// is order-free, each code is the same float product rounded to nearest-even and clamped.
+template <class Code>
+inline int32_t quantize_block(const float* v, Code* q, float qmax, float* scale) {
+  constexpr bool int8 = sizeof(Code) == 1;
+#if defined(LYANNA_BLOCKS_VNNI)
+  const __m512 a0 = _mm512_abs_ps(_mm512_loadu_ps(v)), a1 = _mm512_abs_ps(_mm512_loadu_ps(v + 16));
+  const float top = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+#elif defined(LYANNA_BLOCKS_AVX2_PATH)
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_setzero_ps();
+  for (int h = 0; h < 4; ++h) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v + 8 * h)), m);
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float top = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+#else
+  float top = 0.f;
+  for (int64_t k = 0; k < kBlock; ++k) top = std::max(top, std::fabs(v[k]));
+#endif
+  const float inv = top > 0.f ? qmax / top : 0.f;
+  *scale = top / qmax;
+#if defined(LYANNA_BLOCKS_VNNI)
+  const __m512 vinv = _mm512_set1_ps(inv), hi = _mm512_set1_ps(qmax), lo = _mm512_set1_ps(-qmax);
+  __m512i c[2];
+  for (int h = 0; h < 2; ++h) {
+    const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(v + 16 * h), vinv);
+    const __m512 r = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    c[h] = _mm512_cvttps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
+  }
+  if constexpr (int8) {
+    const __m256i natural = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm512_cvtepi32_epi8(c[0])), _mm512_cvtepi32_epi8(c[1]), 1);
+    const __m256i order = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
+                                           0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_shuffle_epi8(natural, order));
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm512_cvtepi32_epi16(c[0]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), _mm512_cvtepi32_epi16(c[1]));
+  }
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(c[0], c[1]));
+#elif defined(LYANNA_BLOCKS_AVX2_PATH)
+  const __m256 vinv = _mm256_set1_ps(inv), hi = _mm256_set1_ps(qmax), lo = _mm256_set1_ps(-qmax);
+  __m256i c[4];
+  for (int h = 0; h < 4; ++h) {
+    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(v + 8 * h), vinv);
+    const __m256 r = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    c[h] = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+  }
+  // packs interleave 128-bit lanes: words (0-3, 8-11, 4-7, 12-15); permute4x64 restores order
+  const __m256i w0 = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[0], c[1]), 0xD8);
+  const __m256i w1 = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[2], c[3]), 0xD8);
+  if constexpr (int8) {
+    const __m256i natural = _mm256_permute4x64_epi64(_mm256_packs_epi16(w0, w1), 0xD8);
+    const __m256i order = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
+                                           0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_shuffle_epi8(natural, order));
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), w0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), w1);
+  }
+  const __m256i s = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+#else
+  int32_t total = 0;
+  for (int64_t k = 0; k < kBlock; ++k) {
+    const int64_t source = int8 ? 8 * (k / 8) + kOrder8[k % 8] : k;
+    const float c = std::min(std::max(std::nearbyint(v[source] * inv), -qmax), qmax);
+    q[k] = static_cast<Code>(c);
+    total += q[k];
+  }
+  return total;
+#endif
+}
+
 template <class Code>
 inline void quantize_rows(const float* x, int64_t M, int64_t K, Quantized<Code>& out) {
-  constexpr bool int8 = sizeof(Code) == 1;
-  const float qmax = int8 ? kQMax8 : kQMax;
+  const float qmax = sizeof(Code) == 1 ? kQMax8 : kQMax;
   const int64_t G = K / kBlock;
   out.codes.resize(M * K);
   out.scale.resize(M * G);
   out.sum.resize(M * G);
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {  // rows are independent
-  for (int64_t r = begin; r < end; ++r)
-    for (int64_t g = 0; g < G; ++g) {
-      const float* v = x + r * K + g * kBlock;
-      float top = 0.f;
-      for (int64_t k = 0; k < kBlock; ++k) top = std::max(top, std::fabs(v[k]));
-      const float inv = top > 0.f ? qmax / top : 0.f;
-      int32_t total = 0;
-      Code* q = out.codes.data() + r * K + g * kBlock;
-      for (int64_t k = 0; k < kBlock; ++k) {
-        const int64_t source = int8 ? 8 * (k / 8) + kOrder8[k % 8] : k;
-        const float c = std::min(std::max(std::nearbyint(v[source] * inv), -qmax), qmax);
-        q[k] = static_cast<Code>(c);
-        total += q[k];
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t i = r * G + g;
+        const int32_t total = quantize_block(x + r * K + g * kBlock,
+                                             out.codes.data() + r * K + g * kBlock, qmax,
+                                             out.scale.data() + i);
+        out.sum[i] = static_cast<float>(total);
       }
-      out.scale[r * G + g] = top / qmax;
-      out.sum[r * G + g] = static_cast<float>(total);
-    }
   });
 }
 
