@@ -166,8 +166,7 @@ def _add_serve(sub) -> None:
         0,
         "compute threads of the target (embedded) or the verifier (services), fixed; 0 = "
         "embedded: every CPU, the event loop sending each step's tokens between steps; "
-        "services: the CPUs less one (a team using every core stalls whenever the drafter, "
-        "the gateway or the gRPC threads run)",
+        "services: every CPU for the verifier (the drafter takes one thread beside it)",
     )
     serve.add_argument("--max-running", type=int, default=8, help="running sequences per engine")
     serve.add_argument("--max-len", type=int, default=2048, help="KV rows per sequence")

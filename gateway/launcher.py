@@ -118,9 +118,8 @@ def _serve_services(args: argparse.Namespace, config: GatewayConfig) -> None:
     # both load the target in one format, on one device, in one dtype: the verifier serves
     # it, the drafter measures its cost curve on it (and takes its hidden rows in its dtype)
     target = ("--weights", args.weights, "--device", args.device, "--dtype", args.dtype)
-    # the verifier gets the compute threads (--threads, or by its batch size); the drafter
-    # (mostly small steps) one
-    # (only when set: the verifier's default, or LYANNA_VERIFIER_TORCH_THREADS, applies else)
+    # the verifier gets the compute threads (--threads; only when set: else its default,
+    # every CPU, or LYANNA_VERIFIER_TORCH_THREADS applies); the drafter one (launch)
     threads = ("--torch-threads", str(args.threads)) if args.threads else ()
     verifier_args = (*capacity, *target, *threads)
     drafter_args = (*capacity, *target, "--tree", args.tree)

@@ -34,7 +34,8 @@ class ServerConfig:
     grace_seconds: float = 10.0  # SIGTERM: in-flight calls get this long to finish
     workers: int = 8  # gRPC handler threads (model work is serialized by a lock)
     max_concurrent_rpcs: int = 64  # beyond this, calls are shed with RESOURCE_EXHAUSTED
-    # 0 = the CPUs less one, for the gRPC threads and the processes working beside this one
+    # 0 = the service's default: every CPU for the verifier (its forwards are the step), the
+    # CPUs less one for the drafter (services.launch gives a local drafter one)
     torch_threads: int = 0
     # torch.distributed data plane for hidden states: "grpc" (inline, no data plane), "gloo"
     # (CPU) or "nccl" (GPU); the verifier is rank 0, the drafter rank 1.

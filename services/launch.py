@@ -25,7 +25,9 @@ API::
                                         # drafter is told where the verifier is (its port
                                         # file, --verifier-port-file) and gets ``tls``'s
                                         # client settings (--verifier-ca/-cert/-key)
-        torch_threads=1,                # per service process
+        torch_threads=None,             # both services' --torch-threads; None: the verifier
+                                        # keeps its default (every CPU) or its env variable,
+                                        # the drafter gets 1 unless LYANNA_DRAFTER_TORCH_THREADS
         plane="grpc",                   # or "gloo" / "nccl": hidden states over torch.distributed
         startup_timeout=180.0,
         log_dir=None,                   # service logs (default: a temporary directory)
@@ -209,7 +211,7 @@ def launch(
     gateway_command: Sequence[str] | None = None,
     verifier_args: Sequence[str] = (),
     drafter_args: Sequence[str] = (),
-    torch_threads: int = 1,
+    torch_threads: int | None = None,
     plane: str = "grpc",
     startup_timeout: float = 180.0,
     log_dir: str | Path | None = None,
@@ -227,17 +229,21 @@ def launch(
     child_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(Path(__file__).resolve().parents[1]), child_env.get("PYTHONPATH")) if p
     )
-    common = ["--model", str(model), "--torch-threads", str(torch_threads), "--plane", plane]
+    common = ["--model", str(model), "--plane", plane]
+    threads = thread_flags(torch_threads, child_env)
     if plane != "grpc":
         common += ["--plane-addr", f"127.0.0.1:{free_port()}"]
     deployment = Deployment(logs, child_env, startup_timeout, tls=tls, _scratch=scratch)
     python = [sys.executable, "-m"]
     deployment.children["verifier"] = _Child(
-        "verifier", [*python, "services.verifier", *common, *verifier_args], logs / "verifier.log"
+        "verifier",
+        [*python, "services.verifier", *common, *threads["verifier"], *verifier_args],
+        logs / "verifier.log",
     )
     deployment.children["drafter"] = _Child(
         "drafter",
-        [*python, "services.drafter", *common, "--method", method, *_verifier_link(logs, tls)]
+        [*python, "services.drafter", *common, *threads["drafter"], "--method", method]
+        + _verifier_link(logs, tls)
         + list(drafter_args),
         logs / "drafter.log",
     )
@@ -252,6 +258,20 @@ def launch(
         deployment.stop()
         raise
     return deployment
+
+
+def thread_flags(torch_threads: int | None, env: Mapping[str, str]) -> dict[str, list[str]]:
+    """Each service's ``--torch-threads`` flags. A flag wins over its ``LYANNA_*`` variable,
+    so none is passed where the variable should decide: given ``torch_threads``, both take it;
+    else the verifier keeps its own default (every CPU: its forwards are the step) or
+    ``LYANNA_VERIFIER_TORCH_THREADS``, and the drafter, whose steps are small and run beside
+    the verifier's on this machine, takes one thread unless ``LYANNA_DRAFTER_TORCH_THREADS``
+    says otherwise."""
+    if torch_threads is not None:
+        flag = ["--torch-threads", str(torch_threads)]
+        return {"verifier": flag, "drafter": flag}
+    drafter = [] if "LYANNA_DRAFTER_TORCH_THREADS" in env else ["--torch-threads", "1"]
+    return {"verifier": [], "drafter": drafter}
 
 
 def _verifier_link(logs: Path, tls: ClientTls | None) -> list[str]:

@@ -359,11 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s verifier %(message)s")
     exit_with_parent()
-    # the CPUs less one at every batch size: the drafter and the gateway work while the
-    # verifier does (the pipeline's other lane, the token streams), and a team that takes
-    # every core then stalls at its barriers (on 2 cores, 2 threads at 16 sequences: 355-359
-    # tokens/s against 422-433 on one; docs/benchmarks.md)
-    count = serving_threads(server_config.torch_threads)
+    # every CPU at every batch size: its forwards are the step. On 2 cores, with the drafter
+    # and the gateway on the same machine, 2 threads served 6-18 % more tokens/s than one at
+    # concurrency 1, 4 and 16 (docs/benchmarks.md), once every model call ran on one compute
+    # thread; the drafter takes one thread beside it (services.launch.thread_flags)
+    count = serving_threads(server_config.torch_threads, reserved=0)
     threads = StepThreads(count, count)
     compute = ThreadPoolExecutor(1, thread_name_prefix="verifier-compute")
 

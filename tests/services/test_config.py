@@ -59,3 +59,27 @@ def test_the_drafter_service_announces_quiet_steps_unless_told_to_draft_ngram(mo
     drafting = make_configured_drafter(free, model, budget)
     assert isinstance(quiet, GatedDrafter) and not quiet.drafts_when_gated
     assert isinstance(drafting, GatedDrafter) and drafting.drafts_when_gated
+
+
+def test_launched_services_thread_counts_follow_their_variables() -> None:
+    """A flag beats its variable, so the launcher passes ``--torch-threads`` only where no
+    variable should decide: the verifier's own default (every CPU) or variable applies, and
+    the drafter gets one thread unless its variable is set."""
+    from services.launch import thread_flags
+
+    def verifier_threads(flags: list[str], env: dict[str, str]) -> int:
+        server, _ = parse_configs((ServerConfig, VerifierConfig), flags, "LYANNA_VERIFIER_", env)
+        return server.torch_threads
+
+    env = {"LYANNA_VERIFIER_TORCH_THREADS": "3"}
+    flags = thread_flags(None, env)
+    assert verifier_threads(flags["verifier"], env) == 3
+    assert verifier_threads(thread_flags(None, {})["verifier"], {}) == 0  # every CPU
+    assert flags["drafter"] == ["--torch-threads", "1"]
+    env = {"LYANNA_DRAFTER_TORCH_THREADS": "2"}
+    server, _ = parse_configs(
+        (ServerConfig, DrafterConfig), thread_flags(None, env)["drafter"], "LYANNA_DRAFTER_", env
+    )
+    assert server.torch_threads == 2
+    both = ["--torch-threads", "4"]
+    assert thread_flags(4, env) == {"verifier": both, "drafter": both}
