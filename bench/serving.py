@@ -1,13 +1,15 @@
 """Serving benchmark: the same chat load against each deployment of the default model, at
 several concurrencies, through real HTTP (``loadtests.load``; official ``openai`` client).
 
-    python -m bench.serving [--deployments embedded services services-sync]
+    python -m bench.serving [--deployments embedded services services-pipeline services-sync]
                             [--concurrency 1 4 16] [--requests 16] [--max-tokens 64]
                             [--serve-flags '--threads 2']
 
 Deployments (each a fresh ``lyanna serve`` process tree, stopped after its runs):
-``embedded`` (one process), ``services`` (verifier + drafter gRPC services + gateway, the
-asynchronous two-lane pipeline), ``services-sync`` (the same, draft then verify). Prints one
+``embedded`` (one process), ``services`` (verifier + drafter gRPC services + gateway, as
+``lyanna serve --mode services`` runs them: one lane on the CPU, see
+``gateway.launcher.use_pipeline``), ``services-pipeline`` (the asynchronous two-lane
+pipeline), ``services-sync`` (one lane: draft, then verify). Prints one
 markdown table: output tokens/s, TTFT and TPOT p50/p99, mean acceptance length; then, from
 the gateway's own histograms, the mean draft and verify time per step of each run (in the
 split deployments a round trip: set against embedded's, the RPC overhead per step).
@@ -33,7 +35,8 @@ from loadtests.load import HEADER, load_prompts, run_load
 
 DEPLOYMENTS = {
     "embedded": ("--mode", "embedded"),
-    "services": ("--mode", "services", "--pipeline"),
+    "services": ("--mode", "services"),
+    "services-pipeline": ("--mode", "services", "--pipeline"),
     "services-sync": ("--mode", "services", "--no-pipeline"),
 }
 
@@ -87,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         "--deployments",
         nargs="+",
         choices=sorted(DEPLOYMENTS),
-        default=["embedded", "services", "services-sync"],
+        default=["embedded", "services", "services-pipeline"],
     )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--requests", type=int, default=16, help="requests per concurrency")

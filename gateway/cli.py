@@ -216,8 +216,10 @@ def _add_serve(sub) -> None:
     serve.add_argument(
         "--pipeline",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="services mode: asynchronous two-lane pipeline (--no-pipeline: one lane)",
+        default=None,
+        help="services mode: asynchronous two-lane pipeline (--no-pipeline: one lane); by "
+        "default on where drafter and verifier do not share the CPU's cores (--verifier-addr, "
+        "or a GPU device), off for services started here on the CPU",
     )
     _add_env_int(
         serve,

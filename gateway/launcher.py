@@ -142,6 +142,17 @@ def _serve_services(args: argparse.Namespace, config: GatewayConfig) -> None:
         _serve_remote(args, config, tokenizer, eos, *addrs, method=method)
 
 
+def use_pipeline(requested: bool | None, remote: bool, device: str) -> bool:
+    """Two lanes overlap one micro-batch's drafting with the other's verification, which pays
+    where the two services compute apart (other machines, GPUs). Started here on the CPU they
+    share its cores, so there is nothing to overlap and two lanes only halve each forward's
+    batch: on 2 cores one lane served 27-28 % more tokens/s at concurrency 4 and 9-29 % more
+    at 16, and the same within noise at 1 (docs/benchmarks.md)."""
+    if requested is not None:
+        return requested
+    return remote or device != "cpu"
+
+
 def _serve_remote(
     args: argparse.Namespace,
     config: GatewayConfig,
@@ -157,7 +168,7 @@ def _serve_remote(
         verifier_addr=verifier_addr,
         drafter_addr=drafter_addr,
         method=method or args.method,
-        pipeline=args.pipeline,
+        pipeline=use_pipeline(args.pipeline, remote=bool(args.verifier_addr), device=args.device),
         max_running=args.max_running,
         max_waiting=args.max_waiting,
         queue_timeout=args.queue_timeout,

@@ -83,3 +83,13 @@ def test_launched_services_thread_counts_follow_their_variables() -> None:
     assert server.torch_threads == 2
     both = ["--torch-threads", "4"]
     assert thread_flags(4, env) == {"verifier": both, "drafter": both}
+
+
+def test_two_lanes_only_where_the_services_compute_apart() -> None:
+    from gateway.launcher import use_pipeline
+
+    assert not use_pipeline(None, remote=False, device="cpu")  # sharing this CPU's cores
+    assert use_pipeline(None, remote=True, device="cpu")  # services elsewhere
+    assert use_pipeline(None, remote=False, device="cuda")
+    assert use_pipeline(True, remote=False, device="cpu")
+    assert not use_pipeline(False, remote=True, device="cuda")
