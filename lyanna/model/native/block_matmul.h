@@ -93,6 +93,15 @@ using QuantizedRows8 = Quantized<int8_t>;
 // One 32-input block of a row: codes (int8: in kOrder8's order), returns the exact sum of the
 // codes; *scale = max|v| / qmax. The vector paths below compute the same integers: the maximum
 // is order-free, each code is the same float product rounded to nearest-even and clamped.
+#if defined(LYANNA_BLOCKS_VNNI) || defined(LYANNA_BLOCKS_AVX2_PATH)
+// 32 int8 codes in natural order -> kOrder8's order within each group of 8 (one byte shuffle).
+inline __m256i in_order8(__m256i natural) {
+  const __m256i order = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
+                                         0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+  return _mm256_shuffle_epi8(natural, order);
+}
+#endif
+
 template <class Code>
 inline int32_t quantize_block(const float* v, Code* q, float qmax, float* scale) {
   constexpr bool int8 = sizeof(Code) == 1;
@@ -123,9 +132,7 @@ inline int32_t quantize_block(const float* v, Code* q, float qmax, float* scale)
   if constexpr (int8) {
     const __m256i natural = _mm256_inserti128_si256(
         _mm256_castsi128_si256(_mm512_cvtepi32_epi8(c[0])), _mm512_cvtepi32_epi8(c[1]), 1);
-    const __m256i order = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
-                                           0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_shuffle_epi8(natural, order));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), in_order8(natural));
   } else {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm512_cvtepi32_epi16(c[0]));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), _mm512_cvtepi32_epi16(c[1]));
@@ -144,9 +151,7 @@ inline int32_t quantize_block(const float* v, Code* q, float qmax, float* scale)
   const __m256i w1 = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[2], c[3]), 0xD8);
   if constexpr (int8) {
     const __m256i natural = _mm256_permute4x64_epi64(_mm256_packs_epi16(w0, w1), 0xD8);
-    const __m256i order = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
-                                           0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_shuffle_epi8(natural, order));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), in_order8(natural));
   } else {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), w0);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), w1);
