@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s verifier %(message)s")
     exit_with_parent()
     # every CPU at every batch size: its forwards are the step. On 2 cores, with the drafter
-    # and the gateway on the same machine, 2 threads served 6-18 % more tokens/s than one at
+    # and the gateway on the same machine, 2 threads served 6-27 % more tokens/s than one at
     # concurrency 1, 4 and 16 (docs/benchmarks.md), once every model call ran on one compute
     # thread; the drafter takes one thread beside it (services.launch.thread_flags)
     count = serving_threads(server_config.torch_threads, reserved=0)
