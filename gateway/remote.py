@@ -294,6 +294,7 @@ class RemoteBackend(Admission):
                     tree=codec.root_only_tree(seq.next_token),
                     return_hidden=wants_hidden,
                     steps=steps,
+                    free_drafts=seq.use_drafter,  # (never for plain decoding: `ar`)
                 )
             )
         request = verifier_pb2.VerifyRequest(items=items)

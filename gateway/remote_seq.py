@@ -135,23 +135,34 @@ class RemoteSeq:
 
 
 def split_steps(result: verifier_pb2.VerifyResult) -> list[verifier_pb2.VerifyResult]:
-    """A result of several plain decode steps as one result per step, oldest first."""
+    """A result of several decode steps as one result per step, oldest first: one token each,
+    or with the verifier's free drafts ``step_accepted[i] + 1``."""
     if result.num_steps <= 1:
         return [result]
+    accepted = list(result.step_accepted) or [0] * result.num_steps
+    drafted = list(result.step_drafted) or [0] * result.num_steps
+    if len(accepted) != result.num_steps or len(drafted) != result.num_steps:
+        raise ValueError("a several-step result needs one count per step")
+    if sum(accepted) + result.num_steps != len(result.committed) or len(result.tokens) != len(
+        result.committed
+    ):
+        raise ValueError("a several-step result's tokens do not match its per-step counts")
     rows = None
     if result.hidden.WhichOneof("payload") == "tensor":
         rows = codec.decode_tensor(result.hidden.tensor)
-    parts = []
+    parts, start = [], 0
+    before = result.ref.num_committed - len(result.committed)
     for step in range(result.num_steps):
+        end = start + accepted[step] + 1
         part = verifier_pb2.VerifyResult(
-            ref=common_pb2.SeqRef(
-                seq_id=result.ref.seq_id,
-                num_committed=result.ref.num_committed - result.num_steps + step + 1,
-            ),
-            committed=[result.committed[step]],
-            tokens=[result.tokens[step]],
+            ref=common_pb2.SeqRef(seq_id=result.ref.seq_id, num_committed=before + end),
+            committed=result.committed[start:end],
+            tokens=result.tokens[start:end],
+            num_accepted=accepted[step],
+            num_drafted=drafted[step],
         )
         if rows is not None:
-            part.hidden.tensor.CopyFrom(codec.encode_tensor(rows[step : step + 1]))
+            part.hidden.tensor.CopyFrom(codec.encode_tensor(rows[start:end]))
         parts.append(part)
+        start = end
     return parts

@@ -275,9 +275,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         held = self._committed[seq_id]
         if len(item.unseen) > MAX_QUIET_STEPS:
             raise invalid(f"sequence {seq_id}: more than {MAX_QUIET_STEPS} unseen steps")
-        if any(len(step.committed) != 1 for step in item.unseen):
-            raise invalid(f"sequence {seq_id}: an unseen step verifies a root-only tree")
-        if held + len(item.unseen) != item.ref.num_committed:
+        if held + sum(len(step.committed) for step in item.unseen) != item.ref.num_committed:
             raise out_of_step(
                 f"sequence {seq_id}: caller has {item.ref.num_committed} committed tokens, "
                 f"the drafter has {held} and {len(item.unseen)} unseen steps"

@@ -48,16 +48,18 @@ class PrefillResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[PrefillResult, _Mapping]]] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
 
 class VerifyItem(_message.Message):
-    __slots__ = ("ref", "tree", "return_hidden", "steps")
+    __slots__ = ("ref", "tree", "return_hidden", "steps", "free_drafts")
     REF_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     RETURN_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    FREE_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     ref: _common_pb2.SeqRef
     tree: _common_pb2.TokenTree
     return_hidden: bool
     steps: int
-    def __init__(self, ref: _Optional[_Union[_common_pb2.SeqRef, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., return_hidden: _Optional[bool] = ..., steps: _Optional[int] = ...) -> None: ...
+    free_drafts: bool
+    def __init__(self, ref: _Optional[_Union[_common_pb2.SeqRef, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., return_hidden: _Optional[bool] = ..., steps: _Optional[int] = ..., free_drafts: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("items", "use_data_plane")
@@ -68,7 +70,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ..., use_data_plane: _Optional[bool] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("ref", "committed", "tokens", "num_accepted", "num_drafted_per_depth", "hidden", "num_drafted", "num_steps")
+    __slots__ = ("ref", "committed", "tokens", "num_accepted", "num_drafted_per_depth", "hidden", "num_drafted", "num_steps", "step_accepted", "step_drafted")
     REF_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +79,8 @@ class VerifyResult(_message.Message):
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEP_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    STEP_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ref: _common_pb2.SeqRef
     committed: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -85,7 +89,9 @@ class VerifyResult(_message.Message):
     hidden: _common_pb2.HiddenStates
     num_drafted: int
     num_steps: int
-    def __init__(self, ref: _Optional[_Union[_common_pb2.SeqRef, _Mapping]] = ..., committed: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., num_drafted_per_depth: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., num_drafted: _Optional[int] = ..., num_steps: _Optional[int] = ...) -> None: ...
+    step_accepted: _containers.RepeatedScalarFieldContainer[int]
+    step_drafted: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ref: _Optional[_Union[_common_pb2.SeqRef, _Mapping]] = ..., committed: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., num_drafted_per_depth: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., num_drafted: _Optional[int] = ..., num_steps: _Optional[int] = ..., step_accepted: _Optional[_Iterable[int]] = ..., step_drafted: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("results", "forward_seconds")

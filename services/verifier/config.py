@@ -22,6 +22,9 @@ class VerifierConfig:
     weights: str = "auto"  # q4 | fp32 | auto (see lyanna.model.load_model)
     device: str = "cpu"  # cpu | cuda | cuda:N: where the model and its KV cache live
     dtype: str = "float32"  # float32 | bfloat16 (bf16) | float16 (fp16); bf16 on a GPU
+    # draft the root-only steps of items that allow it (VerifyItem.free_drafts) from an
+    # n-gram drafter here: no forward, no round trip (see services.verifier.free_drafts)
+    free_drafts: bool = True
 
     def __post_init__(self) -> None:
         TargetConfig(self.max_running, self.max_len, self.rule)

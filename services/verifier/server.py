@@ -40,6 +40,7 @@ from services.metrics import VerifierMetrics, serve_metrics
 from services.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
 from services.server import ServiceError, exit_with_parent, invalid, out_of_step, rpc_errors, serve
 from services.verifier.config import VerifierConfig
+from services.verifier.free_drafts import FreeDrafts
 
 T = TypeVar("T")
 
@@ -66,8 +67,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         model_name: str = "",
         threads: StepThreads | None = None,
         compute: ThreadPoolExecutor | None = None,
+        free: FreeDrafts | None = None,
     ) -> None:
         self.runner = runner
+        self.free = free or FreeDrafts()  # drafts for root-only steps that allow them
         self.config = config
         self.threads = threads  # None: leave torch's thread count alone
         self.sender = sender
@@ -108,6 +111,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                         prompt_len=item.prompt_len,
                     )
                     done.append(item.seq_id)
+                    first, prompt = prefilled.first_token, list(item.prompt_ids)
+                    self.free.start(item.seq_id, prompt, first, item_params)
                     hidden.append(prefilled.hidden if item.return_hidden else None)
             except Exception:
                 for seq_id in done:
@@ -172,9 +177,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     [seq_ids[i] for i in fresh],
                     [trees[i] for i in fresh],
                     [max(items[i].steps, 1) for i in fresh],
+                    [items[i].free_drafts for i in fresh],
                 )
                 for i, runs in zip(fresh, verified, strict=True):
-                    replays[i] = self._remember(items[i].ref, trees[i], runs)
+                    replays[i] = self._remember(items[i].ref, runs)
             forward_seconds = time.perf_counter() - start
             hidden = [
                 replays[i].hidden if item.return_hidden else None for i, item in enumerate(items)
@@ -203,27 +209,31 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         log.info("sequence %d: the step at %d is retried; answered again", *_ref(item))
         return last
 
-    def _remember(self, ref: common_pb2.SeqRef, tree: TokenTree, runs: list[Verified]) -> LastStep:
+    def _remember(self, ref: common_pb2.SeqRef, runs: list[tuple[TokenTree, Verified]]) -> LastStep:
         """Keep a verification (its hidden rows too: a retry may ask for them) as the
         sequence's last."""
-        first, last = runs[0], runs[-1]
+        (first_tree, first), (_, last) = runs[0], runs[-1]
         result = verifier_pb2.VerifyResult(
             ref=common_pb2.SeqRef(seq_id=ref.seq_id, num_committed=last.num_committed),
-            committed=[token for v in runs for token in v.committed],
-            tokens=[token for v in runs for token in v.verdict.tokens],
+            committed=[token for _, v in runs for token in v.committed],
+            tokens=[token for _, v in runs for token in v.verdict.tokens],
             num_accepted=first.verdict.num_accepted,
             num_drafted_per_depth=first.verdict.num_drafted_per_depth,
-            num_drafted=tree.num_drafted,
+            num_drafted=first_tree.num_drafted,
             num_steps=len(runs),
         )
+        if len(runs) > 1 and any(tree.num_drafted for tree, _ in runs):  # free drafts
+            result.step_accepted.extend(v.verdict.num_accepted for _, v in runs)
+            result.step_drafted.extend(tree.num_drafted for tree, _ in runs)
         rows = None
-        if all(v.hidden is not None for v in runs):  # a copy: not a view of the batch's rows
-            rows = torch.cat([v.hidden for v in runs]).clone()
+        if all(v.hidden is not None for _, v in runs):  # a copy: not a view of the batch's rows
+            rows = torch.cat([v.hidden for _, v in runs]).clone()
         self._last[ref.seq_id] = step = LastStep(ref.num_committed, result, rows)
         return step
 
     def _forget(self, seq_id: int) -> bool:
         self._last.pop(seq_id, None)
+        self.free.release(seq_id)
         return self.runner.release(seq_id)
 
     def _verify_steps(
@@ -231,27 +241,29 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         seq_ids: list[int],
         trees: list[TokenTree],
         steps: list[int],
-    ) -> list[list[Verified]]:
-        """Each sequence's verifications: its tree, then (``steps`` > 1) plain decode steps
-        rooted at the token before, as many forwards as the most steps asked for; with the
-        accepted paths' hidden rows always (a gather of rows the forward computed anyway), so
-        a retried step can have them."""
-        runs: list[list[Verified]] = [[] for _ in seq_ids]
-        active = list(range(len(seq_ids)))
-        for step in range(max(steps)):
-            active = [i for i in active if steps[i] > step]
+        free: list[bool],
+    ) -> list[list[tuple[TokenTree, Verified]]]:
+        """Each sequence's verifications: its tree, then decode steps until ``steps`` tokens
+        are committed (one per plain step, more with ``free`` drafts: never past what the
+        caller allowed), with the accepted paths' hidden rows (a retry may ask for them)."""
+        runs: list[list[tuple[TokenTree, Verified]]] = [[] for _ in seq_ids]
+        committed = [0] * len(seq_ids)
+        active, step_trees = list(range(len(seq_ids))), trees
+        while active:
             ids = [seq_ids[i] for i in active]
-            if step == 0:
-                step_trees = trees
-            else:
+            if runs[active[0]]:  # after the first forward: root-only steps
                 step_trees = [TokenTree.root_only(self.runner.next_token(s)) for s in ids]
+            step_trees = self.free.trees(ids, step_trees, [free[i] for i in active])
             start = time.perf_counter()
             rules_before = self.runner.rule_seconds
             verified = self.runner.verify(ids, step_trees, return_hidden=True)
             self.metrics.rule_seconds.observe(self.runner.rule_seconds - rules_before)
             self._record_verify(step_trees, verified, time.perf_counter() - start)
-            for i, v in zip(active, verified, strict=True):
-                runs[i].append(v)
+            for i, tree, v in zip(active, step_trees, verified, strict=True):
+                runs[i].append((tree, v))
+                committed[i] += len(v.committed)
+            self.free.learn(ids, verified)
+            active = [i for i in active if committed[i] < steps[i]]
         return runs
 
     def _record_verify(self, trees: list[TokenTree], verified, seconds: float) -> None:
@@ -344,13 +356,16 @@ def build_servicer(
     path = config.model or str(fetch_default_model())
     model = load_model(path, config.torch_dtype, config.device, weights=config.weights)
     runner = TargetRunner(model, TargetConfig(config.max_running, config.max_len, config.rule))
+    free = FreeDrafts.build(model, config.free_drafts)
     plane = None
     if server_config.plane != "grpc":
         plane = DataPlane(
             server_config.plane, server_config.plane_addr, 0, server_config.plane_timeout
         )
         plane.connect_in_background()
-    return VerifierServicer(runner, config, HiddenSender(plane), model_name=path, compute=compute)
+    return VerifierServicer(
+        runner, config, HiddenSender(plane), model_name=path, compute=compute, free=free
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -359,16 +374,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s verifier %(message)s")
     exit_with_parent()
-    # every CPU at every batch size: its forwards are the step. On 2 cores, with the drafter
-    # and the gateway on the same machine, 2 threads served 6-27 % more tokens/s than one at
-    # concurrency 1, 4 and 16 (docs/benchmarks.md), once every model call ran on one compute
-    # thread; the drafter takes one thread beside it (services.launch.thread_flags)
+    # every CPU: its forwards are the step (on 2 cores beside the drafter and the gateway,
+    # 6-27 % more tokens/s than one thread at c = 1, 4, 16; docs/benchmarks.md)
     count = serving_threads(server_config.torch_threads, reserved=0)
     threads = StepThreads(count, count)
     compute = ThreadPoolExecutor(1, thread_name_prefix="verifier-compute")
 
     def build() -> VerifierServicer:  # on the compute thread: one OpenMP team in the process
-        threads.apply(1)  # set before the model loads and is measured
+        threads.apply(count)  # set before the model loads and its costs are measured
         return build_servicer(config, server_config, compute)
 
     servicer = compute.submit(build).result()

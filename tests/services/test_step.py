@@ -228,8 +228,8 @@ def test_step_applies_unseen_quiet_steps_in_order_and_refuses_bad_ones() -> None
     after, root = plain.ref.num_committed, plain.tokens[-1]
     bad_cases = [
         (unseen[:-1], grpc.StatusCode.FAILED_PRECONDITION),  # one missing
-        (
-            [*unseen[:-1], drafter_pb2.VerifiedStep(committed=[1, 2])],
+        (  # two tokens (the verifier's free drafts) must say one of them was accepted
+            [*unseen[:-2], drafter_pb2.VerifiedStep(committed=[1, 2], num_accepted=0)],
             grpc.StatusCode.INVALID_ARGUMENT,
         ),
         (unseen * 22, grpc.StatusCode.INVALID_ARGUMENT),  # more than the bound
