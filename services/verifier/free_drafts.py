@@ -68,17 +68,19 @@ class FreeDrafts:
     ) -> list[TokenTree]:
         """``trees`` with each root-only one of an allowed, known sequence replaced by the
         drafter's tree for it (rooted at the same token: the drafter's history ends there)."""
+        if self.drafter is None or not self.pays(len(seq_ids)):  # (every step: cheap first)
+            return trees
         chosen = [
             i
             for i, (seq_id, tree, ok) in enumerate(zip(seq_ids, trees, allowed, strict=True))
             if ok and tree.num_nodes == 1 and seq_id in self._known
         ]
-        if not chosen or self.drafter is None or not self.pays(len(seq_ids)):
+        if not chosen:
             return trees
         drafted = self.drafter.propose([seq_ids[i] for i in chosen])
         out = list(trees)
         for i, tree in zip(chosen, drafted, strict=True):
-            if int(tree.tokens[0]) != int(trees[i].tokens[0]):  # out of step: draft nothing
+            if int(tree.tokens[0]) != int(trees[i].tokens[0]):  # its history lost step: a bug
                 raise RuntimeError(f"sequence {seq_ids[i]}: free draft rooted elsewhere")
             out[i] = tree
         return out
