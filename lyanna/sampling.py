@@ -122,6 +122,11 @@ def sample_distinct(
     u = u.to(rows.device)  # drawn on the CPU generator wherever the rows live
     cdf = rows.cumsum(-1)  # [n, V]
     last = cdf.shape[-1] - 1
+    if k == 1:  # the loop below at k = 1 (same picks), in the fewest ops: a draft step's draw
+        pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=last)
+        if bool((rows.gather(-1, pick) <= 0).any()):  # rounding at a row's end, or no mass
+            pick = torch.where(rows.gather(-1, pick) <= 0, _last_open(rows, []), pick)
+        return pick.reshape(*shape[:-1], 1)
     picks: list[torch.Tensor] = []  # each [n, 1]
     masses: list[torch.Tensor] = []  # their probabilities
     left = cdf[:, -1:]  # mass not drawn yet

@@ -20,6 +20,7 @@ from lyanna.drafters.base import DraftBudget, VerifiedStep
 from lyanna.drafters.eagle import EagleDrafter
 from lyanna.drafters.lyanna import LyannaDrafter
 from lyanna.drafters.lyanna_model import LyannaDraftConfig, LyannaDraftModel
+from lyanna.drafters.sampled import DraftSampling, draw_children
 from lyanna.drafters.sps import SpsDrafter
 from lyanna.engine import EngineConfig, SpecEngine
 from lyanna.sampling import SamplingParams, logits_to_probs, sample_distinct
@@ -186,6 +187,53 @@ def test_per_row_processing_equals_processing_each_row() -> None:
     rows = logits_to_probs(logits, temperature, top_p)
     for b, (t, p) in enumerate([(0.0, 1.0), (0.7, 0.9), (1.3, 1.0)]):
         torch.testing.assert_close(rows[b], logits_to_probs(logits[b], t, p))
+
+
+def test_a_batch_draws_what_each_sequence_draws_alone() -> None:
+    """``draw_children`` over a batch of greedy and sampling sequences (two requests' settings,
+    or one shared by all) gives every sequence the children it gets alone with the same
+    generator: top-k for greedy rows; for sampled rows, draws from its own processed row."""
+    logits = torch.randn(4, 3, 40, generator=torch.Generator().manual_seed(5)) * 2
+    settings = [None, (0.7, 1.0), (1.3, 0.8), None]
+
+    def draws(batch: list[int]) -> list[DraftSampling | None]:
+        return [
+            None
+            if settings[b] is None
+            else DraftSampling(*settings[b], torch.Generator().manual_seed(10 + b))
+            for b in batch
+        ]
+
+    for k in (1, 2):
+        for batch in ([0, 1, 2, 3], [1, 2], [2], [1]):
+            together = draw_children(logits[batch], k, draws(batch))
+            for i, b in enumerate(batch):
+                alone = draw_children(logits[b : b + 1], k, draws([b]))
+                assert torch.equal(together.columns[i], alone.columns[0])
+                torch.testing.assert_close(together.values[i], alone.values[0])
+                if settings[b] is None:
+                    top = logits[b].log_softmax(-1).topk(k, dim=-1)
+                    assert torch.equal(alone.columns[0], top.indices)
+                    continue
+                rows = logits_to_probs(logits[b], *settings[b])
+                s = together.sampled.index(i)
+                torch.testing.assert_close(together.rows[s], rows)
+                expected = sample_distinct(rows, k, torch.Generator().manual_seed(10 + b))
+                assert torch.equal(alone.columns[0], expected)
+                torch.testing.assert_close(together.top[s], rows.topk(k, dim=-1).values)
+
+
+def test_one_draw_per_row_follows_the_row() -> None:
+    """k = 1 takes a shorter path (a draft step's one child): its law on a small row, no pick
+    outside the support, and a pad for rows with no mass."""
+    probs = torch.tensor([0.5, 0.3, 0.0, 0.2])
+    picks = sample_distinct(probs.expand(20000, 4), 1, torch.Generator().manual_seed(3))
+    counts = Counter(picks[:, 0].tolist())
+    assert counts[2] == 0
+    for token in (0, 1, 3):
+        assert abs(counts[token] / 20000 - float(probs[token])) < 0.015
+    empty = sample_distinct(torch.zeros(2, 4), 1, torch.Generator().manual_seed(4))
+    assert empty.shape == (2, 1)
 
 
 # -- the drafters and the engine ------------------------------------------------------------
