@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lyanna.tree import DraftScheme, TokenTree
@@ -200,6 +201,17 @@ class TraversalVerification(RuleBase):
         target_probs: Sequence[torch.Tensor],  # each [num_nodes_b, vocab]
         generator: torch.Generator | None,
     ) -> list[Verdict]:
+        if trees and all(tree.num_nodes == 2 for tree in trees):  # a sampled draft step's
+            return _one_child_verdicts(trees, target_probs, generator)  # default on a CPU
+        return self.traverse(trees, target_probs, generator)
+
+    def traverse(
+        self,
+        trees: Sequence[TokenTree],
+        target_probs: Sequence[torch.Tensor],  # each [num_nodes_b, vocab]
+        generator: torch.Generator | None,
+    ) -> list[Verdict]:
+        """The general traversal of a batch of checked trees, in lockstep."""
         state = _Traversals(trees, target_probs)
         undecided = list(range(len(trees)))
         decided: dict[int, TraversalTest] = {}
@@ -233,3 +245,63 @@ class TraversalVerification(RuleBase):
             )
             survive *= 1.0 - test.accept_probability
         return branches
+
+
+def _one_child_verdicts(
+    trees: Sequence[TokenTree],  # each the root and one drafted child x
+    target_probs: Sequence[torch.Tensor],  # each [2, vocab]
+    generator: torch.Generator | None,
+) -> list[Verdict]:
+    """Traversal of trees that draft one token, in a few batched ops: it is speculative
+    sampling. x is accepted with min(1, p(x) / q(x)) and the next token drawn from p(. | x);
+    otherwise from norm(max(p - q, 0)), or from p itself (flagged) where that is empty. The
+    uniforms are drawn in the general traversal's order (a test, the root's test after a
+    rejection, then one per emitted token), so a seeded request emits the same tokens either
+    way; the general loop cost a T > 0 draft step 0.25 ms (measured)."""
+    vocab = target_probs[0].shape[-1]
+    root_p = _stacked([probs[0] for probs in target_probs])  # [S, vocab]
+    tokens = torch.tensor([tree.token_list[1] for tree in trees])[:, None]
+    target_mass = root_p.gather(1, tokens)[:, 0].tolist()
+    draft_mass = [_draft_mass(tree, root_p.dtype) for tree in trees]
+    levels = [accept_ratio(p, q) for p, q in zip(target_mass, draft_mass, strict=True)]
+    u = torch.rand(len(trees), generator=generator, dtype=torch.float64).tolist()
+    rejected = [b for b, (u_b, level) in enumerate(zip(u, levels, strict=True)) if u_b >= level]
+    paths = [(0,) if b in rejected else (0, 1) for b in range(len(trees))]
+    final = [probs[1] for probs in target_probs]  # p(. | x), unless x was rejected
+    empty: set[int] = set()
+    if rejected:
+        rows = root_p[rejected]
+        drafts = _stacked([_root_draft_row(trees[b], vocab, rows.dtype) for b in rejected])
+        residual, mass = positive_residual(rows, drafts, rows)
+        torch.rand(len(rejected), generator=generator, dtype=torch.float64)  # the root's test
+        for i, (b, excess) in enumerate(zip(rejected, mass.tolist(), strict=True)):
+            final[b] = residual[i]
+            if excess <= 0:
+                empty.add(b)
+    next_tokens = draw_rows(_stacked(final), generator)
+    return [
+        make_verdict(tree, path, token, b in empty)
+        for b, (tree, path, token) in enumerate(zip(trees, paths, next_tokens, strict=True))
+    ]
+
+
+def _stacked(rows: list[torch.Tensor]) -> torch.Tensor:  # [n, vocab]; one row: a view
+    return rows[0][None] if len(rows) == 1 else torch.stack(rows)
+
+
+def _draft_mass(tree: TokenTree, dtype: torch.dtype) -> float:
+    """q(x | root) of the tree's one drafted token x, as its full draft row holds it."""
+    row, token = tree.draft_probs[0], tree.token_list[1]
+    if tree.vocab_index is None:
+        return float(row[token].to(dtype))
+    # NumPy finds x's hot column in a few microseconds; a boolean mask in torch took 40
+    columns = np.flatnonzero(tree.vocab_index.cpu().numpy() == token)
+    return float(row[int(columns[0])].to(dtype)) if columns.size else 0.0  # not hot: q(x) = 0
+
+
+def _root_draft_row(tree: TokenTree, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    """q(. | root) over the full vocabulary (``TokenTree.full_draft_probs``'s first row)."""
+    row = tree.draft_probs[0]
+    if tree.vocab_index is not None:
+        row = row.new_zeros(vocab).index_copy_(0, tree.vocab_index, row)
+    return row.to(dtype)

@@ -115,3 +115,40 @@ def test_an_underflowed_residual_never_re_emits_a_rejected_token(
     stopped = [v for v in verdicts if v.num_accepted == 0]
     assert stopped and all(v.residual_fallback for v in stopped)
     assert not any(v.tokens[-1] in rejected for v in stopped)
+
+
+def one_child_batches() -> list[list[tuple[TokenTree, torch.Tensor]]]:
+    """Batches of trees that draft one token (a sampled draft step's default), one vocabulary
+    per batch: toy drafts with a top-p target (x often has target mass 0), a draft row above
+    the target everywhere (the root's residual is empty: a real fallback), and a draft over a
+    hot vocabulary."""
+    cases = []
+    for seed in range(12):
+        target, draft = ToyModel(5, seed, top_p=0.7), ToyModel(5, 1000 + seed)
+        for tokens, _ in list(enumerate_drafts(draft, [-1, 0], WOR))[:3]:
+            cases.append(draft_tree(tokens, [-1, 0], WOR, draft, target))
+    inconsistent = torch.tensor([[0.7, 0.5], [0.5, 0.5]], dtype=torch.float64)
+    half = torch.full((2, 2), 0.5, dtype=torch.float64)
+    fallback = TokenTree.from_parents([0, 0], [-1, 0], scheme=WOR, draft_probs=inconsistent)
+    hot_rows = torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.2, 0.6]])
+    hot = TokenTree.from_parents(
+        [2, 4], [-1, 0], scheme=WOR, draft_probs=hot_rows, vocab_index=torch.tensor([1, 4, 5])
+    )
+    target_rows = torch.tensor([[0.1, 0.3, 0.2, 0.0, 0.3, 0.1], [0.5, 0.1, 0.1, 0.1, 0.1, 0.1]])
+    return [cases, [(fallback, half)] * 10, [(hot, target_rows)] * 10]
+
+
+def test_one_drafted_token_takes_a_short_path_with_the_general_traversals_draws() -> None:
+    """Batches of one-child trees go through ``_one_child_verdicts``; with the same seed they
+    give exactly what the general traversal gives (paths, tokens, fallback flags)."""
+    rule, outcomes = RULES["traversal"], set()
+    for cases in one_child_batches():
+        trees, target_probs = [t for t, _ in cases] * 5, [p for _, p in cases] * 5
+        for seed in range(3):
+            short = rule.verify_batch(trees, target_probs, torch.Generator().manual_seed(seed))
+            general = rule.traverse(trees, target_probs, torch.Generator().manual_seed(seed))
+            assert [(v.path, v.tokens, v.residual_fallback) for v in short] == [
+                (v.path, v.tokens, v.residual_fallback) for v in general
+            ]
+            outcomes |= {(v.num_accepted, v.residual_fallback) for v in short}
+    assert outcomes == {(1, False), (0, False), (0, True)}  # every branch was compared

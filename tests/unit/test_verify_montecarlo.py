@@ -48,6 +48,7 @@ def test_chain_samplers_match_their_law_in_a_mixed_length_batch(name: str) -> No
         ("specinfer", DraftScheme.IID, [-1, 0, 0, 1, 1, 2]),
         ("rrs_wor", DraftScheme.WITHOUT_REPLACEMENT, [-1, 0, 0, 1, 1, 2]),
         ("traversal", DraftScheme.WITHOUT_REPLACEMENT, [-1, 0, 0, 1, 1, 2]),
+        ("traversal", DraftScheme.WITHOUT_REPLACEMENT, [-1, 0]),  # its one-child path
         ("deterministic", DraftScheme.TOPK, [-1, 0, 0, 0, 1, 1, 2]),
     ],
 )
@@ -61,6 +62,8 @@ def test_tree_samplers_match_their_law(name: str, scheme: DraftScheme, parents) 
     law = verdict_law(rule, tree, probs)
     assert len(law) > 3
     assert chi_square_pvalue(law, single) > MIN_PVALUE
+    alike = rule.verify_batch([tree] * 3000, [probs] * 3000, generator)  # one call, all alike
+    assert chi_square_pvalue(law, alike) > MIN_PVALUE
     assert chi_square_pvalue(law, mixed[0::2]) > MIN_PVALUE
     assert chi_square_pvalue(verdict_law(rule, small, small_probs), mixed[1::2]) > MIN_PVALUE
 
