@@ -17,6 +17,7 @@ from lyanna.model.cpu_kernels import (
     prepack_linears,
     prepacking_available,
 )
+from lyanna.model.huge_pages import on_huge_pages
 from lyanna.model.native import load_decoder, use_native_layers
 from lyanna.model.quant import (
     GROUP,
@@ -58,9 +59,9 @@ def hot_lm_head(
         index = hot_vocab.to(embedding.device)
         return Linear(embedding.detach()[index].to(dtype or torch.float32).contiguous())
     if blocks is not None and hot_vocab.numel() % TILE == 0:
-        return blocks.rows(hot_vocab)
+        return on_huge_pages(blocks.rows(hot_vocab))
     rows = embedding.detach()[hot_vocab].float().contiguous()  # [num_hot, d]
-    return PackedLinear(rows, dtype) if prepacking_available(rows) else Linear(rows)
+    return on_huge_pages(PackedLinear(rows, dtype) if prepacking_available(rows) else Linear(rows))
 
 
 def embedding_blocks(target: nn.Module) -> BlockLinear | None:
@@ -100,6 +101,7 @@ def prepare_draft_layers(module: nn.Module, dtype: torch.dtype | None, q4_layers
                     setattr(parent, name, Int4Linear(quantize_q4_1(child.weight)))
     prepack_linears(module, dtype)
     use_native_layers(module)
+    on_huge_pages(module)  # after the native layers took their tensors: those move too
 
 
 def _fits_blocks(child: nn.Module) -> bool:

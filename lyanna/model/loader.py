@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from lyanna.model.config import ModelConfig, UnsupportedModelError
 from lyanna.model.cpu_kernels import PackedLinear, prepack_linears
 from lyanna.model.device import check_placement
+from lyanna.model.huge_pages import on_huge_pages
 from lyanna.model.native import load_decoder
 from lyanna.model.quant import (
     Q4_TYPES,
@@ -237,6 +238,8 @@ def build_model(
         _use_q4(model, q4, int8_rows)
     if prepack:
         prepack_linears(model)
+    if torch.device(device).type == "cpu":
+        on_huge_pages(model)  # a step streams every weight: fewer TLB misses (huge_pages)
     return model
 
 
