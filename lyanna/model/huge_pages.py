@@ -54,11 +54,6 @@ class WeightArena:
         self._used += -(-n // ALIGN) * ALIGN
         self.nbytes += n
 
-    def close(self) -> None:
-        """Unmap (only once no tensor uses the arena; tests)."""
-        del self._buffer
-        self.mapping.close()
-
 
 def weight_tensors(modules: Iterable[nn.Module]) -> list[list[torch.Tensor]]:
     """Every CPU tensor of at least ``MIN_BYTES`` that ``modules`` hold (parameters, buffers,
@@ -96,7 +91,7 @@ def move_to_huge_pages(*modules: nn.Module) -> WeightArena | None:
     to move. Inference only: the tensors keep their values, and training would not notice
     either, but nothing here is meant for parameters that change."""
     groups = weight_tensors(modules)
-    if not groups:
+    if not groups or not hasattr(mmap, "MAP_ANONYMOUS"):  # (Windows: no anonymous mmap)
         return None
     sizes = [g[0].numel() * g[0].element_size() for g in groups]
     arena = WeightArena(sum(-(-n // ALIGN) * ALIGN for n in sizes))
