@@ -40,6 +40,12 @@ class WeightArena:
         self._used = (-self._buffer.data_ptr()) % HUGE_PAGE
         self.nbytes = 0  # bytes of the tensors moved here
 
+    def __deepcopy__(self, memo: dict) -> WeightArena:
+        return self  # a copied model's tensors get storages of their own; sharing is harmless
+
+    def __reduce__(self):  # a pickled model's tensors are copied out; the mapping is not
+        return (_no_arena, ())
+
     def take(self, tensors: list[torch.Tensor]) -> None:
         """Copy one tensor's values here (``tensors``: every object that views them alike,
         contiguous, on the CPU) and point each object at the copy, in place."""
@@ -53,6 +59,10 @@ class WeightArena:
                 tensor.set_(storage, offset, view.shape, view.stride())
         self._used += -(-n // ALIGN) * ALIGN
         self.nbytes += n
+
+
+def _no_arena() -> None:
+    return None
 
 
 def weight_tensors(modules: Iterable[nn.Module]) -> list[list[torch.Tensor]]:

@@ -3,6 +3,9 @@ the move, storages viewed in several ways stay put, and a model computes the sam
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import torch
 from torch import nn
 
@@ -66,3 +69,13 @@ def test_the_variable_turns_it_off(monkeypatch) -> None:
     monkeypatch.setenv(ENV, "0")
     holder = on_huge_pages(Holder())
     assert not hasattr(holder, "weight_arena")
+
+
+def test_a_model_on_huge_pages_copies_and_pickles() -> None:
+    holder = Holder()
+    holder.weight_arena = move_to_huge_pages(holder)
+    copied = copy.deepcopy(holder)
+    assert torch.equal(copied.weight, holder.weight)
+    assert copied.weight.data_ptr() != holder.weight.data_ptr()
+    restored = pickle.loads(pickle.dumps(holder))
+    assert torch.equal(restored.table, holder.table) and restored.weight_arena is None
