@@ -30,6 +30,7 @@ from deploy.k8s.render import render
 from gateway import cli as gateway_cli
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
+from lyanna.model import huge_pages
 from services.config import ServerConfig, parse_configs
 from services.drafter.server import DrafterConfig
 from services.metrics import DrafterMetrics, VerifierMetrics
@@ -524,7 +525,7 @@ def known_variables() -> set[str]:
         | names("LYANNA_VERIFIER_", ServerConfig, VerifierConfig)
         | names("LYANNA_DRAFTER_", ServerConfig, DrafterConfig)
         | set(documents()[("ConfigMap", "lyanna-config")]["data"])
-        | {"LYANNA_CACHE", "LYANNA_CHECKPOINTS", "LYANNA_NATIVE_DIR"}
+        | {"LYANNA_CACHE", "LYANNA_CHECKPOINTS", "LYANNA_NATIVE_DIR", huge_pages.ENV}
     )
 
 
