@@ -197,7 +197,8 @@ class SpecEngine:
         results = self.target.verify([s.seq_id for s in batch], trees, needs_hidden)
         verify_seconds = time.perf_counter() - start
         emitted = self.scheduler.postprocess(batch, [r.verdict for r in results])
-        steps = {s.seq_id: _verified_step(s.seq_id, r) for s, r in zip(batch, results, strict=True)}
+        pairs = zip(batch, results, strict=True)
+        steps = {s.seq_id: VerifiedStep.of(s.seq_id, r) for s, r in pairs}
         resampled: dict[int, int] = {}
         for method, group in groups.items():  # a sequence that just finished is not taught
             start = time.perf_counter()
@@ -224,14 +225,3 @@ class SpecEngine:
         drafter = self.drafters.get(sequence.method)
         if drafter is not None:
             drafter.release(sequence.seq_id)
-
-
-def _verified_step(seq_id: int, result) -> VerifiedStep:
-    return VerifiedStep(
-        seq_id=seq_id,
-        committed=result.committed,
-        hidden=result.hidden,
-        next_token=result.verdict.tokens[-1],
-        num_accepted=result.verdict.num_accepted,
-        num_committed=result.num_committed,
-    )

@@ -124,8 +124,9 @@ def sample_distinct(
     last = cdf.shape[-1] - 1
     if k == 1:  # the loop below at k = 1 (same picks), in the fewest ops: a draft step's draw
         pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=last)
-        if bool((rows.gather(-1, pick) <= 0).any()):  # rounding at a row's end, or no mass
-            pick = torch.where(rows.gather(-1, pick) <= 0, _last_open(rows, []), pick)
+        bad = rows.gather(-1, pick) <= 0  # rounding at a row's end, or no mass
+        if bool(bad.any()):
+            pick = torch.where(bad, _last_open(rows, []), pick)
         return pick.reshape(*shape[:-1], 1)
     picks: list[torch.Tensor] = []  # each [n, 1]
     masses: list[torch.Tensor] = []  # their probabilities

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
@@ -19,6 +19,9 @@ from lyanna.draft_nodes import DraftNodes
 from lyanna.sampling import SamplingParams
 from lyanna.tree import DraftScheme, TokenTree
 from lyanna.tree_cost import GainCalibration, VerifyCost
+
+if TYPE_CHECKING:
+    from lyanna.target import Verified
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +103,19 @@ class VerifiedStep:
     next_token: int  # residual or bonus token: the next root, not yet in the target KV
     num_accepted: int  # accepted draft tokens (len(committed) - 1)
     num_committed: int  # total tokens in the target KV after this step
+
+    @classmethod
+    def of(cls, seq_id: int, verified: Verified, hidden: bool = True) -> VerifiedStep:
+        """The step a target verification (``lyanna.target.Verified``) made, with its hidden
+        rows unless ``hidden`` is False (a drafter that reads none)."""
+        return cls(
+            seq_id=seq_id,
+            committed=verified.committed,
+            hidden=verified.hidden if hidden else None,
+            next_token=verified.verdict.tokens[-1],
+            num_accepted=verified.verdict.num_accepted,
+            num_committed=verified.num_committed,
+        )
 
 
 @runtime_checkable

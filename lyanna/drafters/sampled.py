@@ -102,12 +102,9 @@ def draw_children(
         every = len(sampled) == len(draws)
         chosen = None if every else torch.tensor(sampled, device=logits.device)
         rows = _processed_rows(logits if every else logits[chosen], [draws[b] for b in sampled])
-        if len(sampled) == 1:
-            picks = sample_distinct(rows[0], k, draws[sampled[0]].generator)[None]
-        else:
-            picks = torch.stack(
-                [sample_distinct(rows[i], k, draws[b].generator) for i, b in enumerate(sampled)]
-            )  # [S, n, k] in drawing order
+        picks = torch.stack(
+            [sample_distinct(rows[i], k, draws[b].generator) for i, b in enumerate(sampled)]
+        )  # [S, n, k] in drawing order
         drawn = rows.gather(-1, picks)
         drawn = drawn.log() if log_space else drawn
         largest = rows.amax(-1, keepdim=True) if k == 1 else rows.topk(k, dim=-1).values

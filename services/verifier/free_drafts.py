@@ -99,14 +99,7 @@ class FreeDrafts:
     def learn(self, seq_ids: list[int], verified: list[Verified]) -> None:
         """Every verification of a known sequence, in order."""
         steps = [
-            VerifiedStep(
-                seq_id,
-                v.committed,
-                None,
-                v.verdict.tokens[-1],
-                v.verdict.num_accepted,
-                v.num_committed,
-            )
+            VerifiedStep.of(seq_id, v, hidden=False)
             for seq_id, v in zip(seq_ids, verified, strict=True)
             if seq_id in self._known
         ]
