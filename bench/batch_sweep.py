@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--png", type=Path, default=Path("docs/img/batch_sweep.png"))
     args = parser.parse_args()
     set_threads(args.threads)
-    setup = BenchSetup.load(per_category=args.limit_per_category, weights=args.weights)
+    setup = BenchSetup.from_args(args)
     params = SamplingParams(max_tokens=args.max_tokens)
     methods = args.methods.split(",")
     results: dict[int, dict[str, dict]] = {}

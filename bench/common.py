@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
+from gateway.cli import add_placement_args
 from lyanna.drafters import TREE_MODES, DraftBudget, default_budget, tree_budget
 from lyanna.model.loader import WEIGHT_FORMATS
 from lyanna.tokenizer import chat_prompt_ids
@@ -90,6 +91,7 @@ def add_run_args(parser: argparse.ArgumentParser, per_category: int, max_tokens:
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto", help="target weights")
+    add_placement_args(parser)  # --device / --dtype (e.g. --device cuda --dtype bf16)
 
 
 def method_budget(args: argparse.Namespace, method: str, model) -> DraftBudget:

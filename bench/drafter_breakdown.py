@@ -77,7 +77,7 @@ def main() -> None:
     add_run_args(parser, per_category=1, max_tokens=64)
     args = parser.parse_args()
     set_threads(args.threads)
-    setup = BenchSetup.load(per_category=args.limit_per_category, weights=args.weights)
+    setup = BenchSetup.from_args(args)
     params = SamplingParams(max_tokens=args.max_tokens)
     rate = bandwidth()
     rows = []

@@ -39,7 +39,7 @@ def main() -> None:
     args = parser.parse_args()
     set_threads(args.threads)
     checkpoints = dict(item.split("=", 1) for item in args.checkpoint)
-    setup = BenchSetup.load(per_category=args.limit_per_category, weights=args.weights)
+    setup = BenchSetup.from_args(args)
     budget = method_budget(args, "lyanna", setup.model)
 
     def factory(path: str, token_info: bool = True):

@@ -61,7 +61,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     set_threads(args.threads)
-    setup = BenchSetup.load(per_category=args.limit_per_category, weights=args.weights)
+    setup = BenchSetup.from_args(args)
     model = setup.model
 
     chosen = {n: v for n, v in VARIANTS.items() if v[0] in args.drafters.split(",")}

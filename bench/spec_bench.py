@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import torch
+
 from bench.common import (
     SPEC_BENCH,
     add_run_args,
@@ -31,6 +33,7 @@ from bench.common import (
     question_prompt,
     set_threads,
 )
+from gateway.cli import placement
 from lyanna.drafters import DRAFTERS, MODEL_FREE_METHODS, DraftBudget, Drafter, make_drafter
 from lyanna.engine import EngineConfig, SpecEngine
 from lyanna.model import fetch_default_model, load_model
@@ -113,15 +116,26 @@ class BenchSetup:
 
     @classmethod
     def load(
-        cls, questions: Path = SPEC_BENCH, per_category: int | None = 4, weights: str = "auto"
+        cls,
+        questions: Path = SPEC_BENCH,
+        per_category: int | None = 4,
+        weights: str = "auto",
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
     ) -> BenchSetup:
         model_dir = fetch_default_model()
         tokenizer = load_tokenizer(model_dir)
         by_category: dict[str, list[list[int]]] = defaultdict(list)
         for q in load_questions(questions, per_category):
             by_category[q["category"]].append(question_prompt(tokenizer, q))
-        model = load_model(model_dir, weights=weights)
+        model = load_model(model_dir, dtype=dtype, device=device, weights=weights)
         return cls(model, frozenset({tokenizer.eos_token_id}), dict(by_category))
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, questions: Path = SPEC_BENCH) -> BenchSetup:
+        """The setup ``bench.common.add_run_args``' flags ask for (prompts, weights, device)."""
+        device, dtype = placement(args)
+        return cls.load(questions, args.limit_per_category, args.weights, device, dtype)
 
     @property
     def num_prompts(self) -> int:
@@ -285,7 +299,7 @@ def main() -> None:
     methods = list(args.methods or [])
     if args.methods_csv:
         methods += list(DRAFTERS) if args.methods_csv == "all" else args.methods_csv.split(",")
-    setup = BenchSetup.load(args.questions, args.limit_per_category, args.weights)
+    setup = BenchSetup.from_args(args, args.questions)
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
     )

@@ -95,7 +95,7 @@ def _add_weights(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_placement(parser: argparse.ArgumentParser, services: bool = False) -> None:
+def add_placement_args(parser: argparse.ArgumentParser, services: bool = False) -> None:
     """``--device`` and ``--dtype`` with defaults from ``LYANNA_DEVICE`` / ``LYANNA_DTYPE``;
     a malformed value is a usage error; ``placement`` checks the rest (CUDA present, the
     weight format) before anything loads."""
@@ -151,7 +151,7 @@ def _add_serve(sub) -> None:
     serve.add_argument("--method", default="lyanna", help="default speculative method")
     serve.add_argument("--model", help="an HF directory or .gguf (default: SmolLM2-135M)")
     _add_weights(serve)
-    _add_placement(serve, services=True)
+    add_placement_args(serve, services=True)
     serve.add_argument(
         "--tree",
         choices=("cost", "fixed"),
@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--model", help="a .gguf file or HF directory (default: SmolLM2-135M)")
     _add_weights(gen)
-    _add_placement(gen)
+    add_placement_args(gen)
     gen.add_argument("--max-tokens", type=int, default=256)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)

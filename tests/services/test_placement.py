@@ -211,3 +211,29 @@ def test_bf16_smoke_on_device(tiny_model_dir, device) -> None:
     assert result.num_steps == 3 and len(result.committed) == 3
     assert result.hidden.tensor.dtype == "bfloat16"
     assert list(result.hidden.tensor.shape) == [3, model.config.hidden_size]
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(NO_CUDA, reason="no GPU"))]
+)
+def test_services_on_device_carry_hidden_states_over_gloo(tiny_model_dir, device) -> None:
+    """Verifier and drafter processes on ``device`` (the GPU case is the one that matters; the
+    CPU case runs this test's code in CI), the hidden rows over the gloo data plane, which
+    stages CUDA tensors through host memory: greedy output equals plain greedy decoding on
+    that device, the rows did travel over the plane, and the drafter never fell back."""
+    model = load_model(tiny_model_dir, torch.float32, device, weights="auto")
+    expected = plain_greedy(model, PROMPTS, MAX_TOKENS)
+    placement = ("--device", device, "--dtype", "float32", "--weights", "auto")
+    with launch(
+        tiny_model_dir,
+        "lyanna",
+        verifier_args=placement,
+        drafter_args=(*LYANNA_FLAGS, "--device", device, "--dtype", "float32"),
+        plane="gloo",
+    ) as deployment:
+        config = config_for(deployment, use_data_plane=True)
+        outcomes, backend = run_remote(config, PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.tokens for o in outcomes] == expected
+    assert backend.drafter.num_plane_transfers > 0
+    steps = [s for o in outcomes for s in o.steps]
+    assert sum(s.num_drafted for s in steps) > 0 and not any(s.drafter_fallback for s in steps)
