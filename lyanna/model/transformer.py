@@ -17,6 +17,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lyanna.kv_cache import KVCache
 from lyanna.model.config import ModelConfig
@@ -110,11 +111,30 @@ class Attention(nn.Module):
             xq, keys, values = (t.to(attention_dtype) for t in (xq, keys, values))
         if attention_dtype is not None and not is_causal and B > 1:
             out = grouped_attention(xq, keys, values, ctx.mask).to(x.dtype)
+        elif x.is_cuda:
+            out = cuda_attention(xq, keys, values, ctx.mask, is_causal).to(x.dtype)
         else:
             out = F.scaled_dot_product_attention(
                 xq, keys, values, attn_mask=ctx.mask, is_causal=is_causal, enable_gqa=nkv != nh
             ).to(x.dtype)
         return self.wo(out.transpose(1, 2).reshape(B, q, self.num_heads * hd))
+
+
+# cuDNN's attention builds a plan for every new KV length: 1.6 ms of host time per call on an
+# H100 (torch 2.11), 58 ms per decoded token of this 30-layer model; no fused kernel takes
+# grouped heads with a mask, so the heads are expanded and flash / memory-efficient run
+CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def cuda_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool
+) -> torch.Tensor:
+    """Attention on a GPU: ``[B, heads, q, hd]`` queries over ``[B, kv_heads, kv, hd]``."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    with sdpa_kernel(CUDA_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
 
 
 class FeedForward(nn.Module):
