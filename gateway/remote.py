@@ -106,6 +106,7 @@ class RemoteBackend(Admission):
         self._channels: list[grpc.aio.Channel] = []
         self._verifier: verifier_pb2_grpc.VerifierStub | None = None
         self.drafter: DrafterLink | None = None  # None: target-only decoding
+        self.verifier_drafted_method: str | None = None  # a method the verifier drafts itself
 
     # -- GenerationBackend ------------------------------------------------------------------
 
@@ -136,6 +137,10 @@ class RemoteBackend(Admission):
             if not self.drafter.linked:
                 logger.error("the drafter has no verifier to verify through: target-only")
                 self.drafter, self.default_method, self.methods = None, TARGET_ONLY, (TARGET_ONLY,)
+        if self.drafter is not None and self.drafter.drafts_in_verifier and capacity.free_drafts:
+            # n-gram trees need no model: the verifier drafts them where the tokens are, in
+            # calls of several steps, instead of a round trip through the drafter per step
+            self.verifier_drafted_method = self.drafter.method
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._admit_loop(), name="remote-admit")]
         self._tasks += [loop.create_task(self._lane_loop(lane)) for lane in self._lanes]
@@ -194,8 +199,9 @@ class RemoteBackend(Admission):
             self._detokenize,
             method=method,
         )
-        use_drafter = method != TARGET_ONLY and self.drafter is not None
-        seq = RemoteSeq(sequence, asyncio.Queue(), use_drafter)
+        verifier_drafts = method == self.verifier_drafted_method
+        use_drafter = method != TARGET_ONLY and not verifier_drafts and self.drafter is not None
+        seq = RemoteSeq(sequence, asyncio.Queue(), use_drafter, verifier_drafts)
         seq.keep_hidden = use_drafter and self.drafter.needs_hidden and not self.drafter.plane_ok
         self.scheduler.add(sequence)  # ValueError when prompt + max_tokens exceeds the context
         if len(self.scheduler.waiting) > self.config.max_waiting:
@@ -294,7 +300,7 @@ class RemoteBackend(Admission):
                     tree=codec.root_only_tree(seq.next_token),
                     return_hidden=wants_hidden,
                     steps=steps,
-                    free_drafts=seq.use_drafter,  # (never for plain decoding: `ar`)
+                    free_drafts=seq.use_drafter or seq.verifier_drafts,  # (never for `ar`)
                 )
             )
         request = verifier_pb2.VerifyRequest(items=items)

@@ -56,6 +56,7 @@ class DrafterLink:
         self.plane_ok = config.use_data_plane  # off for good once the drafter has failed
         self.needs_hidden = True  # until the drafter says otherwise
         self.linked = True  # the drafter has a verifier to verify through (its Info says)
+        self.drafts_in_verifier = False  # a verifier with free drafts can draft its trees
         self.budget = 0  # max draft tokens
         self.num_plane_transfers = 0  # Steps whose hidden rows used the data plane
         self.num_starts = 0  # sequences started on the drafter (first starts + resyncs)
@@ -92,6 +93,7 @@ class DrafterLink:
             info.max_draft_tokens,
         )
         self.linked = info.verifier_linked
+        self.drafts_in_verifier = info.drafts_in_verifier
         return True
 
     async def prepare(self, batch: list[RemoteSeq]) -> list[RemoteSeq]:

@@ -26,6 +26,8 @@ class RemoteSeq:
     sequence: Sequence  # output tokens, stop conditions and method
     queue: asyncio.Queue  # TokenDelta | Exception for the request's iterator
     use_drafter: bool  # False: target-only steps ("ar", or the drafter cannot hold it)
+    # the verifier drafts every step itself (free drafts: n-gram needs no model), no drafter
+    verifier_drafts: bool = False
     history: list[int] = field(default_factory=list)  # tokens in the target KV
     next_token: int = -1  # decided, not yet in the KV: the next root
     hidden_history: list[torch.Tensor] = field(default_factory=list)  # each [n_i, hidden]

@@ -10,6 +10,7 @@ import torch
 
 from lyanna.drafters import (
     DRAFTERS,
+    FREE_FALLBACK,
     TREE_MODES,
     DraftBudget,
     DraftCapacity,
@@ -97,6 +98,19 @@ class DrafterConfig:
         base = default_budget(self.method, model)
         given = {"depth": self.depth, "top_k": self.top_k, "max_tokens": self.max_draft_tokens}
         return replace(base, **{k: v for k, v in given.items() if v is not None})
+
+    @property
+    def drafts_in_verifier(self) -> bool:
+        """Whether a verifier's free drafts draft what this drafter would: the registry's
+        n-gram drafter at its default, cost-aware shape (any other shape, or a factory, keeps
+        drafting here)."""
+        default_shape = (self.depth, self.top_k, self.max_draft_tokens) == (None, None, None)
+        return (
+            self.factory is None
+            and self.method == FREE_FALLBACK
+            and self.tree == "cost"
+            and default_shape
+        )
 
     def budget(self, model: Transformer) -> DraftBudget:
         """The shape, with the target's cost curve for ``tree='cost'``."""

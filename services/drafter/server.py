@@ -97,6 +97,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             max_depth=budget.depth,
             top_k=budget.top_k,
             verifier_linked=self.verifier is not None,
+            drafts_in_verifier=self.config.drafts_in_verifier,
         )
 
     @rpc_errors

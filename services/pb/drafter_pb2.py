@@ -26,7 +26,7 @@ from services.pb import common_pb2 as lyanna_dot_v1_dot_common__pb2
 from services.pb import verifier_pb2 as lyanna_dot_v1_dot_verifier__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17lyanna/v1/drafter.proto\x12\tlyanna.v1\x1a\x16lyanna/v1/common.proto\x1a\x18lyanna/v1/verifier.proto\"\r\n\x0bInfoRequest\"\xb1\x01\n\x0cInfoResponse\x12\x0e\n\x06method\x18\x01 \x01(\t\x12&\n\x06scheme\x18\x02 \x01(\x0e\x32\x16.lyanna.v1.DraftScheme\x12\x14\n\x0cneeds_hidden\x18\x03 \x01(\x08\x12\x18\n\x10max_draft_tokens\x18\x04 \x01(\r\x12\x11\n\tmax_depth\x18\x05 \x01(\r\x12\r\n\x05top_k\x18\x06 \x01(\r\x12\x17\n\x0fverifier_linked\x18\x07 \x01(\x08\"\xbf\x01\n\tStartItem\x12\x1e\n\x03ref\x18\x01 \x01(\x0b\x32\x11.lyanna.v1.SeqRef\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x03\x12.\n\rprompt_hidden\x18\x04 \x01(\x0b\x32\x17.lyanna.v1.HiddenStates\x12)\n\x06params\x18\x05 \x01(\x0b\x32\x19.lyanna.v1.SamplingParams\x12\x0e\n\x06resync\x18\x06 \x01(\x08\"3\n\x0cStartRequest\x12#\n\x05items\x18\x01 \x03(\x0b\x32\x14.lyanna.v1.StartItem\"$\n\rStartResponse\x12\x13\n\x0bnum_started\x18\x01 \x01(\r\"t\n\x0cVerifiedStep\x12\x11\n\tcommitted\x18\x01 \x03(\x03\x12\'\n\x06hidden\x18\x02 \x01(\x0b\x32\x17.lyanna.v1.HiddenStates\x12\x12\n\nnext_token\x18\x03 \x01(\x03\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\r\"\xa7\x01\n\x08StepItem\x12\x1e\n\x03ref\x18\x01 \x01(\x0b\x32\x11.lyanna.v1.SeqRef\x12\x12\n\nnext_token\x18\x02 \x01(\x03\x12\r\n\x05\x64raft\x18\x03 \x01(\x08\x12\x18\n\x10want_draft_probs\x18\x04 \x01(\x08\x12\x15\n\rreturn_hidden\x18\x05 \x01(\x08\x12\'\n\x06unseen\x18\x06 \x03(\x0b\x32\x17.lyanna.v1.VerifiedStep\"a\n\x0bStepRequest\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.lyanna.v1.StepItem\x12\x16\n\x0euse_data_plane\x18\x02 \x01(\x08\x12\x16\n\x0e\x64raft_deadline\x18\x03 \x01(\x01\"l\n\nStepResult\x12)\n\x08verified\x18\x01 \x01(\x0b\x32\x17.lyanna.v1.VerifyResult\x12\x1e\n\x16num_resampled_accepted\x18\x02 \x01(\r\x12\x13\n\x0bquiet_steps\x18\x03 \x01(\r\"\x7f\n\x0cStepResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.lyanna.v1.StepResult\x12\x15\n\rdraft_seconds\x18\x02 \x01(\x01\x12\x17\n\x0f\x66orward_seconds\x18\x03 \x01(\x01\x12\x17\n\x0fused_data_plane\x18\x04 \x01(\x08\"$\n\x0bStepDrafted\x12\x15\n\rdraft_seconds\x18\x01 \x01(\x01\"l\n\tStepEvent\x12)\n\x07\x64rafted\x18\x01 \x01(\x0b\x32\x16.lyanna.v1.StepDraftedH\x00\x12+\n\x08response\x18\x02 \x01(\x0b\x32\x17.lyanna.v1.StepResponseH\x00\x42\x07\n\x05\x65vent2\xf8\x01\n\x07\x44rafter\x12\x37\n\x04Info\x12\x16.lyanna.v1.InfoRequest\x1a\x17.lyanna.v1.InfoResponse\x12:\n\x05Start\x12\x17.lyanna.v1.StartRequest\x1a\x18.lyanna.v1.StartResponse\x12\x36\n\x04Step\x12\x16.lyanna.v1.StepRequest\x1a\x14.lyanna.v1.StepEvent0\x01\x12@\n\x07Release\x12\x19.lyanna.v1.ReleaseRequest\x1a\x1a.lyanna.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17lyanna/v1/drafter.proto\x12\tlyanna.v1\x1a\x16lyanna/v1/common.proto\x1a\x18lyanna/v1/verifier.proto\"\r\n\x0bInfoRequest\"\xcd\x01\n\x0cInfoResponse\x12\x0e\n\x06method\x18\x01 \x01(\t\x12&\n\x06scheme\x18\x02 \x01(\x0e\x32\x16.lyanna.v1.DraftScheme\x12\x14\n\x0cneeds_hidden\x18\x03 \x01(\x08\x12\x18\n\x10max_draft_tokens\x18\x04 \x01(\r\x12\x11\n\tmax_depth\x18\x05 \x01(\r\x12\r\n\x05top_k\x18\x06 \x01(\r\x12\x17\n\x0fverifier_linked\x18\x07 \x01(\x08\x12\x1a\n\x12\x64rafts_in_verifier\x18\x08 \x01(\x08\"\xbf\x01\n\tStartItem\x12\x1e\n\x03ref\x18\x01 \x01(\x0b\x32\x11.lyanna.v1.SeqRef\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x03\x12.\n\rprompt_hidden\x18\x04 \x01(\x0b\x32\x17.lyanna.v1.HiddenStates\x12)\n\x06params\x18\x05 \x01(\x0b\x32\x19.lyanna.v1.SamplingParams\x12\x0e\n\x06resync\x18\x06 \x01(\x08\"3\n\x0cStartRequest\x12#\n\x05items\x18\x01 \x03(\x0b\x32\x14.lyanna.v1.StartItem\"$\n\rStartResponse\x12\x13\n\x0bnum_started\x18\x01 \x01(\r\"t\n\x0cVerifiedStep\x12\x11\n\tcommitted\x18\x01 \x03(\x03\x12\'\n\x06hidden\x18\x02 \x01(\x0b\x32\x17.lyanna.v1.HiddenStates\x12\x12\n\nnext_token\x18\x03 \x01(\x03\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\r\"\xa7\x01\n\x08StepItem\x12\x1e\n\x03ref\x18\x01 \x01(\x0b\x32\x11.lyanna.v1.SeqRef\x12\x12\n\nnext_token\x18\x02 \x01(\x03\x12\r\n\x05\x64raft\x18\x03 \x01(\x08\x12\x18\n\x10want_draft_probs\x18\x04 \x01(\x08\x12\x15\n\rreturn_hidden\x18\x05 \x01(\x08\x12\'\n\x06unseen\x18\x06 \x03(\x0b\x32\x17.lyanna.v1.VerifiedStep\"a\n\x0bStepRequest\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.lyanna.v1.StepItem\x12\x16\n\x0euse_data_plane\x18\x02 \x01(\x08\x12\x16\n\x0e\x64raft_deadline\x18\x03 \x01(\x01\"l\n\nStepResult\x12)\n\x08verified\x18\x01 \x01(\x0b\x32\x17.lyanna.v1.VerifyResult\x12\x1e\n\x16num_resampled_accepted\x18\x02 \x01(\r\x12\x13\n\x0bquiet_steps\x18\x03 \x01(\r\"\x7f\n\x0cStepResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.lyanna.v1.StepResult\x12\x15\n\rdraft_seconds\x18\x02 \x01(\x01\x12\x17\n\x0f\x66orward_seconds\x18\x03 \x01(\x01\x12\x17\n\x0fused_data_plane\x18\x04 \x01(\x08\"$\n\x0bStepDrafted\x12\x15\n\rdraft_seconds\x18\x01 \x01(\x01\"l\n\tStepEvent\x12)\n\x07\x64rafted\x18\x01 \x01(\x0b\x32\x16.lyanna.v1.StepDraftedH\x00\x12+\n\x08response\x18\x02 \x01(\x0b\x32\x17.lyanna.v1.StepResponseH\x00\x42\x07\n\x05\x65vent2\xf8\x01\n\x07\x44rafter\x12\x37\n\x04Info\x12\x16.lyanna.v1.InfoRequest\x1a\x17.lyanna.v1.InfoResponse\x12:\n\x05Start\x12\x17.lyanna.v1.StartRequest\x1a\x18.lyanna.v1.StartResponse\x12\x36\n\x04Step\x12\x16.lyanna.v1.StepRequest\x1a\x14.lyanna.v1.StepEvent0\x01\x12@\n\x07Release\x12\x19.lyanna.v1.ReleaseRequest\x1a\x1a.lyanna.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,27 +36,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFOREQUEST']._serialized_start=88
   _globals['_INFOREQUEST']._serialized_end=101
   _globals['_INFORESPONSE']._serialized_start=104
-  _globals['_INFORESPONSE']._serialized_end=281
-  _globals['_STARTITEM']._serialized_start=284
-  _globals['_STARTITEM']._serialized_end=475
-  _globals['_STARTREQUEST']._serialized_start=477
-  _globals['_STARTREQUEST']._serialized_end=528
-  _globals['_STARTRESPONSE']._serialized_start=530
-  _globals['_STARTRESPONSE']._serialized_end=566
-  _globals['_VERIFIEDSTEP']._serialized_start=568
-  _globals['_VERIFIEDSTEP']._serialized_end=684
-  _globals['_STEPITEM']._serialized_start=687
-  _globals['_STEPITEM']._serialized_end=854
-  _globals['_STEPREQUEST']._serialized_start=856
-  _globals['_STEPREQUEST']._serialized_end=953
-  _globals['_STEPRESULT']._serialized_start=955
-  _globals['_STEPRESULT']._serialized_end=1063
-  _globals['_STEPRESPONSE']._serialized_start=1065
-  _globals['_STEPRESPONSE']._serialized_end=1192
-  _globals['_STEPDRAFTED']._serialized_start=1194
-  _globals['_STEPDRAFTED']._serialized_end=1230
-  _globals['_STEPEVENT']._serialized_start=1232
-  _globals['_STEPEVENT']._serialized_end=1340
-  _globals['_DRAFTER']._serialized_start=1343
-  _globals['_DRAFTER']._serialized_end=1591
+  _globals['_INFORESPONSE']._serialized_end=309
+  _globals['_STARTITEM']._serialized_start=312
+  _globals['_STARTITEM']._serialized_end=503
+  _globals['_STARTREQUEST']._serialized_start=505
+  _globals['_STARTREQUEST']._serialized_end=556
+  _globals['_STARTRESPONSE']._serialized_start=558
+  _globals['_STARTRESPONSE']._serialized_end=594
+  _globals['_VERIFIEDSTEP']._serialized_start=596
+  _globals['_VERIFIEDSTEP']._serialized_end=712
+  _globals['_STEPITEM']._serialized_start=715
+  _globals['_STEPITEM']._serialized_end=882
+  _globals['_STEPREQUEST']._serialized_start=884
+  _globals['_STEPREQUEST']._serialized_end=981
+  _globals['_STEPRESULT']._serialized_start=983
+  _globals['_STEPRESULT']._serialized_end=1091
+  _globals['_STEPRESPONSE']._serialized_start=1093
+  _globals['_STEPRESPONSE']._serialized_end=1220
+  _globals['_STEPDRAFTED']._serialized_start=1222
+  _globals['_STEPDRAFTED']._serialized_end=1258
+  _globals['_STEPEVENT']._serialized_start=1260
+  _globals['_STEPEVENT']._serialized_end=1368
+  _globals['_DRAFTER']._serialized_start=1371
+  _globals['_DRAFTER']._serialized_end=1619
 # @@protoc_insertion_point(module_scope)

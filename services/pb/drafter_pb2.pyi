@@ -13,7 +13,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("method", "scheme", "needs_hidden", "max_draft_tokens", "max_depth", "top_k", "verifier_linked")
+    __slots__ = ("method", "scheme", "needs_hidden", "max_draft_tokens", "max_depth", "top_k", "verifier_linked", "drafts_in_verifier")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     SCHEME_FIELD_NUMBER: _ClassVar[int]
     NEEDS_HIDDEN_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class InfoResponse(_message.Message):
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_LINKED_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_IN_VERIFIER_FIELD_NUMBER: _ClassVar[int]
     method: str
     scheme: _common_pb2.DraftScheme
     needs_hidden: bool
@@ -28,7 +29,8 @@ class InfoResponse(_message.Message):
     max_depth: int
     top_k: int
     verifier_linked: bool
-    def __init__(self, method: _Optional[str] = ..., scheme: _Optional[_Union[_common_pb2.DraftScheme, str]] = ..., needs_hidden: _Optional[bool] = ..., max_draft_tokens: _Optional[int] = ..., max_depth: _Optional[int] = ..., top_k: _Optional[int] = ..., verifier_linked: _Optional[bool] = ...) -> None: ...
+    drafts_in_verifier: bool
+    def __init__(self, method: _Optional[str] = ..., scheme: _Optional[_Union[_common_pb2.DraftScheme, str]] = ..., needs_hidden: _Optional[bool] = ..., max_draft_tokens: _Optional[int] = ..., max_depth: _Optional[int] = ..., top_k: _Optional[int] = ..., verifier_linked: _Optional[bool] = ..., drafts_in_verifier: _Optional[bool] = ...) -> None: ...
 
 class StartItem(_message.Message):
     __slots__ = ("ref", "prompt_ids", "first_token", "prompt_hidden", "params", "resync")

@@ -106,7 +106,7 @@ class CapacityRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CapacityResponse(_message.Message):
-    __slots__ = ("free_slots", "total_slots", "max_len", "vocab_size", "hidden_size", "model", "hidden_dtype", "reserved_rows")
+    __slots__ = ("free_slots", "total_slots", "max_len", "vocab_size", "hidden_size", "model", "hidden_dtype", "reserved_rows", "free_drafts")
     FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SLOTS_FIELD_NUMBER: _ClassVar[int]
     MAX_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class CapacityResponse(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_DTYPE_FIELD_NUMBER: _ClassVar[int]
     RESERVED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    FREE_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     free_slots: int
     total_slots: int
     max_len: int
@@ -123,4 +124,5 @@ class CapacityResponse(_message.Message):
     model: str
     hidden_dtype: str
     reserved_rows: int
-    def __init__(self, free_slots: _Optional[int] = ..., total_slots: _Optional[int] = ..., max_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., model: _Optional[str] = ..., hidden_dtype: _Optional[str] = ..., reserved_rows: _Optional[int] = ...) -> None: ...
+    free_drafts: bool
+    def __init__(self, free_slots: _Optional[int] = ..., total_slots: _Optional[int] = ..., max_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., model: _Optional[str] = ..., hidden_dtype: _Optional[str] = ..., reserved_rows: _Optional[int] = ..., free_drafts: _Optional[bool] = ...) -> None: ...

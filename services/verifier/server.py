@@ -306,6 +306,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             model=self.model_name,
             hidden_dtype=codec.DTYPE_NAMES[self.runner.model.dtype],
             reserved_rows=self.config.max_tree_nodes,
+            free_drafts=self.free.drafter is not None,
         )
 
     # -- validation ------------------------------------------------------------------------

@@ -93,3 +93,18 @@ def test_two_lanes_only_where_the_services_compute_apart() -> None:
     assert use_pipeline(None, remote=False, device="cuda")
     assert use_pipeline(True, remote=False, device="cpu")
     assert not use_pipeline(False, remote=True, device="cuda")
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--method", "ngram"], True),  # the verifier's free drafts draft the same trees
+        (["--method", "lyanna"], False),  # a draft model: drafts here
+        (["--method", "ngram", "--depth", "3"], False),  # a shape the verifier does not use
+        (["--method", "ngram", "--tree", "fixed"], False),
+        (["--method", "ngram", "--factory", "tests.services.tiny_drafters:slow_ngram"], False),
+    ],
+)
+def test_only_a_default_ngram_drafter_lets_the_verifier_draft(argv, expected) -> None:
+    _, drafter = parse_configs((ServerConfig, DrafterConfig), argv, "LYANNA_DRAFTER_", {})
+    assert drafter.drafts_in_verifier is expected

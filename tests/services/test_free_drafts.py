@@ -8,13 +8,17 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from gateway.remote import RemoteConfig
 from gateway.remote_seq import split_steps
 from lyanna.drafters.base import DraftBudget
+from lyanna.sampling import SamplingParams
 from lyanna.tree import DraftScheme, TokenTree
 from lyanna.tree_cost import VerifyCost
 from services import codec
+from services.launch import launch
 from services.pb import common_pb2, verifier_pb2
 from services.verifier.free_drafts import FreeDrafts
+from tests.services.remote_client import MAX_TOKENS, PROMPTS, plain_greedy, run_remote
 
 # a one-row forward 10 ms, +1 ms for a second row, then 5 ms per row: compute bound
 COST = VerifyCost((1, 2, 4, 8), (0.010, 0.011, 0.021, 0.041))
@@ -101,3 +105,25 @@ def _short() -> verifier_pb2.VerifyResult:
     result = several_steps([0, 2], [0, 3])
     del result.committed[-1]  # one token fewer than the counts say
     return result
+
+
+@pytest.mark.parametrize("verifier_drafts", [True, False])
+def test_ngram_requests_skip_the_drafter_when_the_verifier_drafts(
+    tiny_model_dir, tiny_loaded, verifier_drafts
+) -> None:
+    """With the default n-gram drafter and a verifier that drafts n-gram trees itself, the
+    gateway never calls the drafter (no Start, no Step): every step is a direct Verify with
+    free drafts, several steps per call, and greedy output is still plain greedy decoding's.
+    With the verifier's free drafts off, the same requests draft through the drafter."""
+    verifier_args = [] if verifier_drafts else ["--free-drafts", "false"]
+    with launch(tiny_model_dir, "ngram", verifier_args=verifier_args) as deployment:
+        config = RemoteConfig(deployment.verifier_addr, deployment.drafter_addr, method="ngram")
+        outcomes, backend = run_remote(config, PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.tokens for o in outcomes] == plain_greedy(tiny_loaded, PROMPTS, MAX_TOKENS)
+    steps = [s for o in outcomes for s in o.steps]
+    assert sum(s.num_drafted for s in steps) > 0 and sum(s.num_accepted for s in steps) > 0
+    if verifier_drafts:
+        assert backend.drafter.num_step_calls == 0 and backend.drafter.num_starts == 0
+        assert backend.num_verify_calls < len(steps)  # several steps per call
+    else:
+        assert backend.drafter.num_step_calls > 0
