@@ -9,9 +9,11 @@ plain decoding makes tokens (B / T(B)), a sequence is worth drafting for while
 Acceptance comes in runs (a list, code, a quoted passage are easy to draft; free prose is
 not), so each sequence keeps a running average of the tokens accepted per drafted step and
 drafts only while it pays; a gated-off sequence re-measures by drafting once after a few
-plain steps (then after twice as many while it still does not pay). Where no drafted token
-pays at all, as for a 4-bit target on a CPU whose second row costs 30 % of a step, this is
-plain decoding with an occasional probe instead of a speculative method slower than it.
+plain steps (then after twice as many while it still does not pay). A probe due at a batch
+size where even a fully accepted draft could not pay is put off the same way. Where no
+drafted token pays at all, as for a 4-bit target on a CPU whose second row costs 30 % of a
+step, this is plain decoding with an occasional probe instead of a speculative method slower
+than it.
 
 A new sequence starts from what the drafter's earlier sequences of the same kind (greedy or
 sampled) accepted, not from an optimistic constant: at T = 1, where nothing a drafter of
@@ -113,13 +115,22 @@ class DraftGate:
         if gate is not None:
             self.population_probe[gate.sampled] = gate.probe_after
 
-    def pays(self, seq_id: int, batch: int) -> bool:
+    def pays(self, seq_id: int, batch: int, accepted: float | None = None) -> bool:
         """Whether drafting ``seq_id`` raises the step's expected tokens per second over what
-        a gated-off step yields (nothing, or a free fallback's drafts)."""
+        a gated-off step yields (nothing, or a free fallback's drafts), if a drafted step
+        accepts ``accepted`` tokens (default: the sequence's running average)."""
         gate = self._seqs[seq_id]
+        width = max(1, round(gate.width))
+        accepted = gate.accepted if accepted is None else accepted
         step = self.cost.forward_seconds(batch)
-        rows = self.cost.forward_seconds(batch + max(1, round(gate.width))) - step
-        return (gate.accepted - gate.fallback) * step / batch >= self.draft_seconds + rows
+        rows = self.cost.forward_seconds(batch + width) - step
+        return (accepted - gate.fallback) * step / batch >= self.draft_seconds + rows
+
+    def could_pay(self, seq_id: int, batch: int) -> bool:
+        """Whether a drafted step could pay at this batch size even if every drafted node
+        were accepted. A probe that cannot is put off: it would cost its step (and across
+        processes a round trip through the drafter) and could only confirm the gate."""
+        return self.pays(seq_id, batch, accepted=max(1.0, self._seqs[seq_id].width))
 
     def choose(self, seq_ids: list[int]) -> list[bool]:
         """Which of this step's sequences draft: those whose last drafted step still pays, and
@@ -129,8 +140,13 @@ class DraftGate:
             gate = self._seqs[seq_id]
             if gate.waited == 0:  # drafted last step (or new): draft on while it pays
                 gate.drafted = self.pays(seq_id, len(seq_ids))
-            else:
-                gate.drafted = gate.waited >= gate.probe_after
+            elif gate.waited < gate.probe_after:
+                gate.drafted = False
+            elif self.could_pay(seq_id, len(seq_ids)):
+                gate.drafted = True  # a probe
+            else:  # put off, as after a probe that failed
+                gate.drafted, gate.waited = False, 0
+                gate.probe_after = min(2 * gate.probe_after, self.config.probe_max)
             chosen.append(gate.drafted)
         return chosen
 

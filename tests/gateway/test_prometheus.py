@@ -23,6 +23,7 @@ from deploy.prometheus.local import poll, query, ready, start_prometheus
 from gateway.server import free_port
 from services.launch import launch
 from tests.gateway.conftest import MODEL_NAME
+from tests.gateway.test_services_deployment import DRAFTER_NGRAM
 
 pytestmark = pytest.mark.slow
 
@@ -110,7 +111,7 @@ def test_every_panel_shows_the_three_processes(tiny_chat_dir, tmp_path) -> None:
         method="ngram",
         gateway_command=gateway,
         verifier_args=("--max-len", "512", "--metrics-port", str(ports["verifier"])),
-        drafter_args=("--metrics-port", str(ports["drafter"])),
+        drafter_args=("--metrics-port", str(ports["drafter"]), *DRAFTER_NGRAM),
     ) as deployment:
         url = f"http://127.0.0.1:{deployment.gateway_port}"
         targets = [url.removeprefix("http://"), *(f"127.0.0.1:{p}" for p in ports.values())]

@@ -19,12 +19,21 @@ from tests.gateway.conftest import greedy_text
 pytestmark = pytest.mark.slow
 
 
+# an explicit shape (the default's depth) keeps n-gram drafting in the drafter service, whose
+# path (and its loss) these tests watch; the default shape is drafted in the verifier
+DRAFTER_NGRAM = ("--depth", "3")
+
+
 def test_gateway_connects_to_running_services(tiny_chat_dir, loaded) -> None:
     gateway = [sys.executable, "-m", "gateway.cli", "serve", "--mode", "services"]
     gateway += ["--verifier-addr", "{verifier_addr}", "--drafter-addr", "{drafter_addr}"]
     gateway += ["--port", "{gateway_port}", "--model", str(tiny_chat_dir), "--method", "{method}"]
     with launch(
-        tiny_chat_dir, method="ngram", gateway_command=gateway, verifier_args=("--max-len", "512")
+        tiny_chat_dir,
+        method="ngram",
+        gateway_command=gateway,
+        verifier_args=("--max-len", "512"),
+        drafter_args=DRAFTER_NGRAM,
     ) as deployment:
         url = f"http://127.0.0.1:{deployment.gateway_port}"
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)

@@ -14,7 +14,9 @@ from services.pb import drafter_pb2, verifier_pb2
 from tests.services.test_servicers import Aborted, FakeContext, verify_item
 from tests.services.test_step import NGRAM, gated_with_quiet_steps, run_step, setup, step_item
 
-NEVER_PAYS = VerifyCost((1, 2), (1.0, 3.0))  # a second row costs three steps
+# each row costs 0.9 of a step: only a draft accepted whole would pay, so the gate stays off
+# and probes (a probe that could not pay even then is put off)
+HARDLY_PAYS = VerifyCost((1, 2, 32), (1.0, 1.9, 28.9))
 
 
 def value(servicer, name: str, **labels: str) -> float:
@@ -69,7 +71,7 @@ def test_a_gated_off_step_with_a_fallback_counts_as_fallback() -> None:
     """A learned drafter the gate finds never pays: its first step is gated off and the free
     n-gram fallback drafts it (not a quiet step: nothing is announced)."""
     inner = NgramDrafter(NGRAM.shape())  # a stand-in for the learned drafter
-    gate = DraftGate(NEVER_PAYS, GateConfig(prior=0.0))
+    gate = DraftGate(HARDLY_PAYS, GateConfig(prior=0.0))
     drafter = GatedDrafter(inner, gate, fallback=NgramDrafter(NGRAM.shape()))
     servicer, _, _, root = setup(drafter, 1, [1, 2, 1, 2, 1], False)
     (result,) = run_step(servicer, step_item(1, 5, root)).results

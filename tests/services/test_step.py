@@ -204,8 +204,10 @@ def test_undrafted_items_ride_along_root_only() -> None:
 def gated_with_quiet_steps():
     """A gated-off sequence after its first Step and the quiet steps the caller then ran
     directly: (servicer, drafter, first result, the direct steps' result)."""
-    never_pays = VerifyCost((1, 2), (1.0, 3.0))
-    drafter = GatedDrafter(NgramDrafter(NGRAM.shape()), DraftGate(never_pays, GateConfig()))
+    # each row 0.9 of a step: only a draft accepted whole would pay (the probe is worth making)
+    hardly_pays = VerifyCost((1, 2, 32), (1.0, 1.9, 28.9))
+    gate = DraftGate(hardly_pays, GateConfig(prior=0.0))
+    drafter = GatedDrafter(NgramDrafter(NGRAM.shape()), gate)
     servicer, target, _, root = setup(drafter, 5, [1, 2], False)
     (first,) = run_step(servicer, step_item(5, 2, root)).results
     committed, root = first.verified.ref.num_committed, first.verified.tokens[-1]

@@ -57,10 +57,11 @@ def slow_ngram(model: Transformer, budget: DraftBudget, capacity: DraftCapacity)
 def gated_lyanna(
     model: Transformer, budget: DraftBudget, capacity: DraftCapacity | None = None
 ) -> GatedDrafter:
-    """``tiny_lyanna`` behind a gate that finds no draft worth its rows (a second row costs
-    three steps): it drafts only its probes, and announces the quiet steps in between."""
-    never_pays = VerifyCost((1, 2), (1.0, 3.0))
-    return GatedDrafter(tiny_lyanna(model, budget, capacity), DraftGate(never_pays, GateConfig()))
+    """``tiny_lyanna`` behind a gate that finds no draft worth its rows (each row costs 0.9 of
+    a step: only a draft accepted whole would pay): it drafts only its probes, and announces
+    the quiet steps in between."""
+    hardly_pays = VerifyCost((1, 2, 32), (1.0, 1.9, 28.9))
+    return GatedDrafter(tiny_lyanna(model, budget, capacity), DraftGate(hardly_pays, GateConfig()))
 
 
 class DyingDrafter(SlowDrafter):

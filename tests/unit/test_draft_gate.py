@@ -258,8 +258,11 @@ def test_step_source_names_what_drafted_each_step() -> None:
     wrapped method on its probes, the free fallback or a plain root-only tree on gated-off
     steps; a drafter without a gate drafts every step itself."""
     model = make_tiny_model(2, vocab_size=16)
+    # drafting pays only when every drafted token is accepted: the gate stays off, yet its
+    # probes are worth making (under NEVER_PAYS they are put off)
+    barely = VerifyCost((1, 2, 4), (1.0, 1.95, 3.9))
     for fallback, gated_off in ((None, "plain"), (NgramDrafter(DraftBudget(3, 1, 3)), "fallback")):
-        gate = DraftGate(NEVER_PAYS, GateConfig(prior=0.0, probe_after=2))
+        gate = DraftGate(barely, GateConfig(prior=0.0, probe_after=2))
         drafter = GatedDrafter(NgramDrafter(DraftBudget(3, 1, 3)), gate, fallback)
         engine, _ = run_engine(model, drafter, [[4, 4, 4, 4, 4, 4]], max_running=1)
         sources = []
@@ -270,3 +273,34 @@ def test_step_source_names_what_drafted_each_step() -> None:
         assert set(sources) == {"method", gated_off}
         assert sources.count(gated_off) <= drafter.num_gated_steps
     assert step_source(NgramDrafter(), 0) == "method"
+
+
+def test_a_probe_that_could_not_pay_even_fully_accepted_is_put_off() -> None:
+    """In a batch of 4 a token's share of the step is 0.5 and one more row costs 1.0, so even
+    a draft whose every node is accepted loses: the due probe waits (twice as long, announced
+    quiet) instead. Alone the same sequence probes when due."""
+    cost = VerifyCost((1, 2, 4, 5), (1.0, 1.5, 2.0, 3.0))
+    gate = DraftGate(cost, GateConfig(alpha=1.0, prior=0.0, probe_after=4, probe_max=32))
+    batch = [0, 1, 2, 3]
+    for seq_id in batch:
+        gate.start(seq_id)
+    assert gate.choose(batch) == [False] * 4  # prior 0: drafting does not pay
+    for step in range(40):
+        chosen = gate.choose(batch) if step else [False] * 4
+        assert chosen == [False] * 4  # never a probe in this batch
+        for seq_id in batch:
+            gate.verified(seq_id, 0)
+    assert gate._seqs[0].probe_after == 32 and gate.quiet_steps(0) >= 0
+    assert gate.could_pay(0, 1) and not gate.could_pay(0, 4)
+    gate.start(9)
+    assert drafted_steps_of(gate, 9, 12) == [4]  # alone: the probe after 4 plain steps
+
+
+def drafted_steps_of(gate: DraftGate, seq_id: int, steps: int) -> list[int]:
+    drafted = []
+    for step in range(steps):
+        (chosen,) = gate.choose([seq_id])
+        if chosen:
+            drafted.append(step)
+        gate.verified(seq_id, 0)
+    return drafted
