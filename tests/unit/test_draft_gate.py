@@ -277,30 +277,21 @@ def test_step_source_names_what_drafted_each_step() -> None:
 
 def test_a_probe_that_could_not_pay_even_fully_accepted_is_put_off() -> None:
     """In a batch of 4 a token's share of the step is 0.5 and one more row costs 1.0, so even
-    a draft whose every node is accepted loses: the due probe waits (twice as long, announced
-    quiet) instead. Alone the same sequence probes when due."""
+    a draft whose every node is accepted loses: each due probe is put off instead, its wait
+    doubled and announced quiet. Alone the same gate probes when due (4 plain steps)."""
     cost = VerifyCost((1, 2, 4, 5), (1.0, 1.5, 2.0, 3.0))
-    gate = DraftGate(cost, GateConfig(alpha=1.0, prior=0.0, probe_after=4, probe_max=32))
+    config = GateConfig(alpha=1.0, prior=0.0, probe_after=4, probe_max=32)
+    gate = DraftGate(cost, config)
     batch = [0, 1, 2, 3]
     for seq_id in batch:
         gate.start(seq_id)
-    assert gate.choose(batch) == [False] * 4  # prior 0: drafting does not pay
-    for step in range(40):
-        chosen = gate.choose(batch) if step else [False] * 4
-        assert chosen == [False] * 4  # never a probe in this batch
+    quiet = []
+    for _ in range(40):
+        assert gate.choose(batch) == [False] * 4  # never a probe in this batch
+        quiet.append(gate.quiet_steps(0))
         for seq_id in batch:
             gate.verified(seq_id, 0)
-    assert gate._seqs[0].probe_after == 32 and gate.quiet_steps(0) >= 0
-    assert gate.could_pay(0, 1) and not gate.could_pay(0, 4)
-    gate.start(9)
-    assert drafted_steps_of(gate, 9, 12) == [4]  # alone: the probe after 4 plain steps
-
-
-def drafted_steps_of(gate: DraftGate, seq_id: int, steps: int) -> list[int]:
-    drafted = []
-    for step in range(steps):
-        (chosen,) = gate.choose([seq_id])
-        if chosen:
-            drafted.append(step)
-        gate.verified(seq_id, 0)
-    return drafted
+    # put off at steps 4, 12, 28 (waits 4 -> 8 -> 16 -> 32): each announces the whole new wait
+    assert [quiet[i] for i in (4, 12, 28)] == [7, 15, 31]
+    assert not gate.could_pay(0, 4) and gate.could_pay(0, 1)
+    assert drafted_steps(DraftGate(cost, config), lambda step: 0, 12) == [4]
