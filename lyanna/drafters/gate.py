@@ -37,6 +37,14 @@ proposed like any other. The learned drafter must then beat the fallback, not pl
 each sequence also keeps the fallback's tokens per step it drafted, and only the learned
 drafter's excess over it pays for the draft and its rows.
 
+Across processes a drafted step also costs its route: the gateway sends it through the drafter
+service, which calls the verifier, where a gated-off step goes to the verifier directly (and
+several quiet steps ride in one call). The drafter service measures its hop to the verifier
+and hands the gate that route time (``routed``); it raises the bar like draft time does. In
+one process the route costs nothing. What a gated-off step yields is measured the same way
+whoever drafted it (a ``fallback`` here, the verifier's own free drafts across processes, or
+nothing): the learned drafter must beat that.
+
 Which of the three drafted a step (``step_source``: the wrapped ``method``, its ``fallback``,
 or ``plain``: a root-only tree) is a fact the caller reads per step, for its metrics.
 
@@ -79,7 +87,7 @@ class GateConfig:
 @dataclass(slots=True)
 class _SeqGate:
     accepted: float  # running average of draft tokens accepted per drafted step
-    fallback: float = 0.0  # ... per step a free fallback drafted instead (GatedDrafter)
+    fallback: float = 0.0  # ... per gated-off step (a free fallback's or the verifier's drafts)
     width: float = 1.0  # running average of draft nodes per drafted step
     waited: int = 0  # plain steps since the last drafted one
     probe_after: int = 0
@@ -94,6 +102,9 @@ class DraftGate:
         self.cost = cost
         self.config = config or GateConfig()
         self.draft_seconds = 0.0  # running average of draft seconds per drafted sequence
+        # ... of the seconds a drafted sequence's route to the verifier costs over a gated-off
+        # one's (0 in one process; see ``routed``)
+        self.route_seconds = 0.0
         self._seqs: dict[int, _SeqGate] = {}
         # accepted tokens per drafted step over every sequence, greedy (False) and sampled
         self.population = {False: self.config.prior, True: self.config.prior}
@@ -124,7 +135,8 @@ class DraftGate:
         accepted = gate.accepted if accepted is None else accepted
         step = self.cost.forward_seconds(batch)
         rows = self.cost.forward_seconds(batch + width) - step
-        return (accepted - gate.fallback) * step / batch >= self.draft_seconds + rows
+        spent = self.draft_seconds + self.route_seconds + rows
+        return (accepted - gate.fallback) * step / batch >= spent
 
     def could_pay(self, seq_id: int, batch: int) -> bool:
         """Whether a drafted step could pay at this batch size even if every drafted node
@@ -168,12 +180,20 @@ class DraftGate:
             gate = self._seqs[seq_id]
             gate.width += alpha * (width - gate.width)
 
+    def routed(self, seconds: float, num_drafted: int) -> None:
+        """A step that drafted ``num_drafted`` sequences spent ``seconds`` more on its way to
+        the verifier than a gated-off step would have (hops between processes)."""
+        if num_drafted > 0:
+            per_seq = max(0.0, seconds) / num_drafted
+            self.route_seconds += self.config.alpha * (per_seq - self.route_seconds)
+
     def drafting(self, seq_id: int) -> bool:
         """Whether the sequence's step in flight was drafted."""
         return self._seqs[seq_id].drafted
 
     def fallback_verified(self, seq_id: int, num_accepted: int) -> None:
-        """A gated-off step that a free fallback drafted accepted ``num_accepted`` tokens."""
+        """A gated-off step accepted ``num_accepted`` tokens (drafted by a free fallback, by
+        the verifier's free drafts, or by nothing: then 0)."""
         gate = self._seqs[seq_id]
         gate.fallback += self.config.alpha * (num_accepted - gate.fallback)
         population = self.fallback_population[gate.sampled]
@@ -234,6 +254,11 @@ class GatedDrafter:
         trees.update(zip(plain, self.plain.propose(plain), strict=True))
         return [trees[s] for s in seq_ids]
 
+    def routed(self, seconds: float, seq_ids: list[int]) -> None:
+        """A step of ``seq_ids`` spent ``seconds`` on hops a gated-off step skips: shared by
+        those this drafter drafted (``DraftGate.routed``)."""
+        self.gate.routed(seconds, sum(self.gate.drafting(seq_id) for seq_id in seq_ids))
+
     def quiet_steps(self, seq_id: int) -> int:
         """Steps after the last ``propose`` on which ``seq_id`` certainly gets a root-only tree:
         the caller may verify those without proposing, then pass their verifications to
@@ -254,7 +279,7 @@ class GatedDrafter:
         for step in steps:
             gated = not self.gate.drafting(step.seq_id)
             self.num_gated_steps += gated
-            if gated and self.drafts_when_gated:
+            if gated:  # what not drafting yields, whoever drafted the step (see the top)
                 self.gate.fallback_verified(step.seq_id, step.num_accepted)
             self.gate.verified(step.seq_id, step.num_accepted)
         return resampled

@@ -14,9 +14,8 @@ dropped, so the caller re-Starts them instead of drafting from state in doubt; a
 verifier call answers ABORTED (the caller re-runs the step directly against the verifier,
 whose Verify answers a retried step with the result it already committed).
 
-Verification fusion stays inside the drafter (``LyannaDrafter`` merges the re-sampled subtree
-of the last verification into the fresh tree under the budget): it owns the chain logits the
-subtree is re-sampled from, and the in-process engine then runs the very same code.
+Verification fusion stays inside the drafter (``LyannaDrafter`` merges the last verification's
+re-sampled subtree into the fresh tree): it owns the chain logits, as in the in-process engine.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ import grpc
 import torch
 
 from lyanna.drafters import DraftBudget, Drafter, VerifiedStep
+from lyanna.drafters.gate import GatedDrafter
 from lyanna.model import load_model
 from lyanna.threads import serving_threads
 from lyanna.tree import TokenTree
@@ -88,14 +88,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     @rpc_errors
     def Info(self, request, context) -> drafter_pb2.InfoResponse:
-        budget = self.budget
         return drafter_pb2.InfoResponse(
             method=self.config.method,
             scheme=codec.SCHEMES[self.drafter.scheme],
             needs_hidden=self.drafter.needs_hidden,
-            max_draft_tokens=budget.max_tokens,
-            max_depth=budget.depth,
-            top_k=budget.top_k,
+            max_draft_tokens=self.budget.max_tokens,
+            max_depth=self.budget.depth,
+            top_k=self.budget.top_k,
             verifier_linked=self.verifier is not None,
             drafts_in_verifier=self.config.drafts_in_verifier,
         )
@@ -142,7 +141,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         use_plane = use_plane and self.receiver.plane.ready
         verify = verify_request(items, trees, self.drafter.needs_hidden, use_plane)
         try:
+            sent = time.perf_counter()
             response = self.verifier.verify(verify, context.time_remaining())
+            hop = time.perf_counter() - sent - response.forward_seconds
             if [r.ref.seq_id for r in response.results] != seq_ids:
                 raise ServiceError(grpc.StatusCode.INTERNAL, "the verifier answered other items")
         except (grpc.RpcError, ServiceError, ValueError) as error:  # (ValueError: no address)
@@ -150,7 +151,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 self._drop_all([item.ref.seq_id for item in drafted])
             what = describe_failure(error) if isinstance(error, grpc.RpcError) else str(error)
             raise ServiceError(grpc.StatusCode.ABORTED, f"verifier: {what}") from None
-        resampled, used_plane = self._learn_verified(items, response.results, starts)
+        resampled, used_plane = self._learn_verified(items, response.results, starts, hop)
         results = [
             drafter_pb2.StepResult(
                 verified=result,
@@ -214,11 +215,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return dict(zip(ids, trees, strict=True)), quiet, starts, draft_seconds
 
     def _learn_verified(
-        self, items: list[drafter_pb2.StepItem], results, starts: dict[int, int]
+        self, items: list[drafter_pb2.StepItem], results, starts: dict[int, int], hop: float
     ) -> tuple[dict[int, int], bool]:
         """Hand each drafted sequence its verification (the caller gets inline hidden rows
         where it asked); returns the re-sampled accepted counts and whether rows came over the
-        data plane. A sequence released or restarted meanwhile is left alone."""
+        data plane. A sequence released or restarted meanwhile is left alone. A gated drafter
+        learns the route's cost: ``hop`` (the verifier call less its forward) twice, the
+        gateway's call here being the other hop a gated-off step skips."""
         steps: list[VerifiedStep] = []
         used_plane = any(r.hidden.WhichOneof("payload") == "plane" for r in results)
         with self._lock:
@@ -247,6 +250,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                             num_committed=result.ref.num_committed,
                         )
                     )
+                if isinstance(self.drafter, GatedDrafter):
+                    self.drafter.routed(2 * hop, [step.seq_id for step in steps])
                 resampled = self.drafter.on_verified(steps) if steps else {}  # one batched call
                 self.metrics.learned(self.drafter, steps)
                 for step in steps:

@@ -8,12 +8,14 @@ and applies a gated drafter's unseen quiet steps in order."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 import torch
 
 from lyanna.drafters import DraftBudget
-from lyanna.drafters.gate import DraftGate, GateConfig, GatedDrafter
+from lyanna.drafters.gate import DraftGate, GateConfig, GatedDrafter, step_source
 from lyanna.drafters.ngram import NgramDrafter
 from lyanna.tree import TokenTree
 from lyanna.tree_cost import VerifyCost
@@ -247,3 +249,36 @@ def test_step_applies_unseen_quiet_steps_in_order_and_refuses_bad_ones() -> None
     (probe,) = run_step(servicer, item).results
     assert probe.verified.ref.num_committed == after + 1
     assert drafter.num_gated_steps == first.quiet_steps + 1
+
+
+class SlowLink(InProcessVerifier):
+    """A verifier link whose every call spends ``delay`` seconds on the way (a slow hop)."""
+
+    def __init__(self, servicer, delay: float) -> None:
+        super().__init__(servicer)
+        self.delay = delay
+
+    def verify(self, request, remaining):
+        time.sleep(self.delay)
+        return super().verify(request, remaining)
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05])
+def test_a_gated_drafter_learns_what_its_route_to_the_verifier_costs(delay: float) -> None:
+    """Each drafted Step teaches the gate twice the hop to the verifier (the call less the
+    verifier's forward; the gateway's hop to the drafter is the second): with rows nearly free
+    and a 2 ms step, a 50 ms hop makes even a draft accepted whole a loss, so the gate stops;
+    a hop of nothing keeps it drafting."""
+    cheap_rows = VerifyCost((1, 2, 32), (0.002, 0.00201, 0.0026))
+    gate = DraftGate(cheap_rows, GateConfig(prior=2.0))
+    drafter = GatedDrafter(NgramDrafter(NGRAM.shape()), gate)
+    servicer, target, _, root = setup(drafter, 7, [1, 2, 3, 1, 2, 3, 1, 2], False)
+    servicer.verifier = SlowLink(target, delay)
+    (result,) = run_step(servicer, step_item(7, 8, root)).results
+    assert step_source(drafter, 7) == "method"  # drafted (prior 2.0 pays), so it learned
+    if delay:
+        assert gate.route_seconds >= GateConfig().alpha * 2 * delay
+        assert not gate.could_pay(7, batch=1)
+    else:
+        assert gate.route_seconds < 0.005
+        assert gate.could_pay(7, batch=1)

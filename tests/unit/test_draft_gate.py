@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lyanna.drafters.base import DraftBudget
+from lyanna.drafters.base import DraftBudget, VerifiedStep
 from lyanna.drafters.eagle import EagleDrafter
 from lyanna.drafters.gate import DraftGate, GateConfig, GatedDrafter, step_source
 from lyanna.drafters.ngram import NgramDrafter
@@ -295,3 +295,34 @@ def test_a_probe_that_could_not_pay_even_fully_accepted_is_put_off() -> None:
     assert [quiet[i] for i in (4, 12, 28)] == [7, 15, 31]
     assert not gate.could_pay(0, 4) and gate.could_pay(0, 1)
     assert drafted_steps(DraftGate(cost, config), lambda step: 0, 12) == [4]
+
+
+def test_route_time_raises_the_bar_like_draft_time() -> None:
+    """Across processes a drafted step's extra hops count against it, shared by the sequences
+    the step drafted; a step that drafted none teaches nothing."""
+    gate = DraftGate(HALF_STEP_ROW, GateConfig(alpha=1.0))
+    gate.start(0)
+    gate._seqs[0].accepted = 0.6
+    gate.routed(0.4, 0)
+    assert gate.route_seconds == 0 and gate.pays(0, batch=1)  # 0.6 >= 0 + 0.5
+    gate.routed(0.4, 2)  # 0.2 s per drafted sequence
+    assert gate.route_seconds == pytest.approx(0.2)
+    assert not gate.pays(0, batch=1)  # 0.6 < 0.2 + 0.5
+    gate.routed(-1.0, 1)  # a clock that went backwards costs nothing, never a gain
+    assert gate.route_seconds == 0
+
+
+def test_gated_off_steps_drafted_elsewhere_count_as_the_fallback() -> None:
+    """Without a fallback of its own (across processes the verifier drafts gated-off steps
+    for free), what a gated-off step accepted is still what drafting must beat."""
+    gate = DraftGate(HALF_STEP_ROW, GateConfig(alpha=1.0, prior=0.0))
+    drafter = GatedDrafter(NgramDrafter(DraftBudget(3, 1, 3)), gate)
+    drafter.start(0, [1, 2, 3], None, 4)
+    assert drafter.propose([0])[0].num_drafted == 0  # gated off (prior 0)
+    free_drafted = VerifiedStep(
+        seq_id=0, committed=[4, 5], hidden=None, next_token=6, num_accepted=1, num_committed=5
+    )
+    drafter.on_verified([free_drafted])
+    assert gate._seqs[0].fallback == 1.0
+    gate._seqs[0].accepted = 1.2  # would pay against plain steps (1.2 >= 0.5), not against 1.0
+    assert not gate.pays(0, batch=1)
