@@ -41,6 +41,7 @@ REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
 MAX_QUIET_STEPS = 64  # the most quiet steps trusted from one result (the drafter's bound)
 HANG_GRACE_SECONDS = 1.0
 MAX_STUCK_BACKOFF_SECONDS = 60.0  # the longest wait before asking a stuck drafter again
+MAX_HOP_SECONDS = 60.0  # the most a Step may say its hop took (the drafter's bound)
 
 
 class DrafterLink:
@@ -61,6 +62,9 @@ class DrafterLink:
         self.num_plane_transfers = 0  # Steps whose hidden rows used the data plane
         self.num_starts = 0  # sequences started on the drafter (first starts + resyncs)
         self.num_step_calls = 0
+        # the last answered Step's wall time less the drafter's own: the hop a drafted step
+        # adds, sent with the next Step for the drafter's gate (0 until measured)
+        self.hop_seconds = 0.0
         self._down_until = 0.0
         self._error = ""
         # each try of a stuck drafter stalls its lane for hang_seconds, so consecutive stuck
@@ -127,9 +131,13 @@ class DrafterLink:
             for s in batch
         ]
         request = drafter_pb2.StepRequest(
-            items=items, use_data_plane=self.plane_ok, draft_deadline=self.draft_deadline
+            items=items,
+            use_data_plane=self.plane_ok,
+            draft_deadline=self.draft_deadline,
+            caller_hop_seconds=self.hop_seconds,
         )
         self.num_step_calls += 1
+        sent = time.perf_counter()
         try:
             response = await self._step_response(
                 self.stub.Step(request, timeout=self.step_deadline)
@@ -143,6 +151,8 @@ class DrafterLink:
                 seq.desync()
             return None
         self._stuck_backoff = 0.0
+        hop = time.perf_counter() - sent - response.handled_seconds
+        self.hop_seconds = min(max(hop, 0.0), MAX_HOP_SECONDS)
         self.num_plane_transfers += response.used_data_plane
         for seq, result in zip(batch, response.results, strict=True):
             if id(seq) in drafted:

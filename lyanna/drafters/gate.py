@@ -39,8 +39,9 @@ drafter's excess over it pays for the draft and its rows.
 
 Across processes a drafted step also costs its route: the gateway sends it through the drafter
 service, which calls the verifier, where a gated-off step goes to the verifier directly (and
-several quiet steps ride in one call). The drafter service measures its hop to the verifier
-and hands the gate that route time (``routed``); it raises the bar like draft time does. In
+several quiet steps ride in one call). The drafter service measures the hops (its own to
+the verifier, and the gateway's to it as the gateway saw it) and hands the gate that route
+time (``routed``); it raises the bar like draft time does. In
 one process the route costs nothing. What a gated-off step yields is measured the same way
 whoever drafted it (a ``fallback`` here, the verifier's own free drafts across processes, or
 nothing): the learned drafter must beat that.

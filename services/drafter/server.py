@@ -1,21 +1,15 @@
 """The drafter gRPC servicer: wraps any drafter of ``lyanna.drafters.DRAFTERS`` (or a custom
-factory), tracks each sequence's committed length and relays each step's verification.
+factory) and relays each step's verification (docs/services.md, "One step of one micro-batch").
 
 Start begins a sequence from its committed tokens (+ their target hidden states) and next
-token. Step runs one speculative step of a micro-batch: it hands each sequence the
-verifications the caller ran without the drafter (quiet steps) via ``drafter.on_verified``,
-asks ``drafter.propose`` for one tree per drafted sequence, verifies every tree of the call
-(and root-only trees for the caller's undrafted sequences) in one ``Verify`` to the verifier
-(``--verifier``), learns the outcome at once (hidden rows included, inline or over the data
-plane) and returns the verifier's results. Every drafted item's ``SeqRef`` must match the
-length the drafter holds plus its unseen steps (FAILED_PRECONDITION otherwise, NOT_FOUND for
-an unknown sequence). If the drafter or the verifier call fails, the drafted sequences are
-dropped, so the caller re-Starts them instead of drafting from state in doubt; a failed
-verifier call answers ABORTED (the caller re-runs the step directly against the verifier,
-whose Verify answers a retried step with the result it already committed).
-
-Verification fusion stays inside the drafter (``LyannaDrafter`` merges the last verification's
-re-sampled subtree into the fresh tree): it owns the chain logits, as in the in-process engine.
+token. Step applies the caller's unseen quiet steps (``drafter.on_verified``), proposes one
+tree per drafted sequence, verifies the whole call in one ``Verify`` to ``--verifier``
+(undrafted items root-only), learns the outcome at once and returns it. A drafted item's
+``SeqRef`` must match the drafter's length plus its unseen steps (FAILED_PRECONDITION;
+NOT_FOUND for an unknown sequence). A failed drafter or verifier call drops the drafted
+sequences (the caller re-Starts them); a failed verifier call answers ABORTED, and the caller
+re-runs the step directly (Verify answers a retried step with what it already committed).
+Verification fusion stays inside the drafter (``LyannaDrafter``), as in the in-process engine.
 """
 
 from __future__ import annotations
@@ -58,6 +52,7 @@ from services.server import (
 )
 
 MAX_QUIET_STEPS = 64  # unseen quiet steps one Step may hand over (the gate waits at most 32)
+MAX_HOP_SECONDS = 60.0  # the most a caller may say its hop here took
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 log = logging.getLogger("lyanna.services.drafter")
 
@@ -133,6 +128,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         seq_ids = [item.ref.seq_id for item in items]
         if len(set(seq_ids)) != len(seq_ids):
             raise invalid("a sequence may appear once per Step call")
+        if not 0 <= request.caller_hop_seconds <= MAX_HOP_SECONDS:
+            raise invalid(f"caller_hop_seconds must be in [0, {MAX_HOP_SECONDS}]")
         self._check_tokens([item.next_token for item in items])
         drafted = [item for item in items if item.draft]
         trees, quiet, starts, draft_seconds = self._draft(request, drafted, context, arrived)
@@ -151,7 +148,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 self._drop_all([item.ref.seq_id for item in drafted])
             what = describe_failure(error) if isinstance(error, grpc.RpcError) else str(error)
             raise ServiceError(grpc.StatusCode.ABORTED, f"verifier: {what}") from None
-        resampled, used_plane = self._learn_verified(items, response.results, starts, hop)
+        route = hop + (request.caller_hop_seconds or hop)  # (unmeasured: as far as ours)
+        resampled, used_plane = self._learn_verified(items, response.results, starts, route)
         results = [
             drafter_pb2.StepResult(
                 verified=result,
@@ -165,6 +163,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             draft_seconds=draft_seconds,
             forward_seconds=response.forward_seconds,
             used_data_plane=used_plane,
+            handled_seconds=time.monotonic() - arrived,
         )
         yield drafter_pb2.StepEvent(response=reply)
 
@@ -215,13 +214,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return dict(zip(ids, trees, strict=True)), quiet, starts, draft_seconds
 
     def _learn_verified(
-        self, items: list[drafter_pb2.StepItem], results, starts: dict[int, int], hop: float
+        self, items: list[drafter_pb2.StepItem], results, starts: dict[int, int], route: float
     ) -> tuple[dict[int, int], bool]:
         """Hand each drafted sequence its verification (the caller gets inline hidden rows
         where it asked); returns the re-sampled accepted counts and whether rows came over the
         data plane. A sequence released or restarted meanwhile is left alone. A gated drafter
-        learns the route's cost: ``hop`` (the verifier call less its forward) twice, the
-        gateway's call here being the other hop a gated-off step skips."""
+        learns the ``route``'s cost: the hops caller -> drafter -> verifier, less the forward,
+        which a step the caller verifies directly skips."""
         steps: list[VerifiedStep] = []
         used_plane = any(r.hidden.WhichOneof("payload") == "plane" for r in results)
         with self._lock:
@@ -251,7 +250,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                         )
                     )
                 if isinstance(self.drafter, GatedDrafter):
-                    self.drafter.routed(2 * hop, [step.seq_id for step in steps])
+                    self.drafter.routed(route, [step.seq_id for step in steps])
                 resampled = self.drafter.on_verified(steps) if steps else {}  # one batched call
                 self.metrics.learned(self.drafter, steps)
                 for step in steps:
@@ -270,8 +269,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             released = sum(self._drop(seq_id) for seq_id in request.seq_ids)
             self.metrics.sequences.set(len(self._committed))
         return common_pb2.ReleaseResponse(num_released=released)
-
-    # -- helpers ---------------------------------------------------------------------------
 
     def _unseen_of(self, item: drafter_pb2.StepItem) -> list[VerifiedStep]:
         """A drafted item's unseen (quiet) verifications, checked, in order."""

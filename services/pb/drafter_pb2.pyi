@@ -89,14 +89,16 @@ class StepItem(_message.Message):
     def __init__(self, ref: _Optional[_Union[_common_pb2.SeqRef, _Mapping]] = ..., next_token: _Optional[int] = ..., draft: _Optional[bool] = ..., want_draft_probs: _Optional[bool] = ..., return_hidden: _Optional[bool] = ..., unseen: _Optional[_Iterable[_Union[VerifiedStep, _Mapping]]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("items", "use_data_plane", "draft_deadline")
+    __slots__ = ("items", "use_data_plane", "draft_deadline", "caller_hop_seconds")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     USE_DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    CALLER_HOP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[StepItem]
     use_data_plane: bool
     draft_deadline: float
-    def __init__(self, items: _Optional[_Iterable[_Union[StepItem, _Mapping]]] = ..., use_data_plane: _Optional[bool] = ..., draft_deadline: _Optional[float] = ...) -> None: ...
+    caller_hop_seconds: float
+    def __init__(self, items: _Optional[_Iterable[_Union[StepItem, _Mapping]]] = ..., use_data_plane: _Optional[bool] = ..., draft_deadline: _Optional[float] = ..., caller_hop_seconds: _Optional[float] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("verified", "num_resampled_accepted", "quiet_steps")
@@ -109,16 +111,18 @@ class StepResult(_message.Message):
     def __init__(self, verified: _Optional[_Union[_verifier_pb2.VerifyResult, _Mapping]] = ..., num_resampled_accepted: _Optional[int] = ..., quiet_steps: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("results", "draft_seconds", "forward_seconds", "used_data_plane")
+    __slots__ = ("results", "draft_seconds", "forward_seconds", "used_data_plane", "handled_seconds")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     USED_DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
+    HANDLED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[StepResult]
     draft_seconds: float
     forward_seconds: float
     used_data_plane: bool
-    def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., draft_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., used_data_plane: _Optional[bool] = ...) -> None: ...
+    handled_seconds: float
+    def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., draft_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., used_data_plane: _Optional[bool] = ..., handled_seconds: _Optional[float] = ...) -> None: ...
 
 class StepDrafted(_message.Message):
     __slots__ = ("draft_seconds",)

@@ -38,6 +38,8 @@ class ScriptedStub:
         self.quiet = 0  # announce this many quiet steps with each result
         self.wrong_seq = False  # answer for another sequence (a misbehaving drafter)
         self.events = "normal"  # normal | silent (a stuck drafter) | unordered
+        self.delay = 0.0  # seconds each Step takes
+        self.handled = 0.0  # ... of which the drafter says it spent this long itself
 
     async def _call(self, name: str, request):
         self.calls.append(name)
@@ -45,6 +47,7 @@ class ScriptedStub:
         if self.errors.get(name):
             raise self.errors[name].pop(0)
         if name == "Step":
+            await asyncio.sleep(self.delay)
             results = []
             for item in request.items:
                 committed = [item.next_token, 3] if item.draft else [item.next_token]
@@ -57,7 +60,7 @@ class ScriptedStub:
                 )
                 quiet = self.quiet if item.draft else 0
                 results.append(drafter_pb2.StepResult(verified=verified, quiet_steps=quiet))
-            return drafter_pb2.StepResponse(results=results)
+            return drafter_pb2.StepResponse(results=results, handled_seconds=self.handled)
         return common_pb2.ReleaseResponse()
 
     def Step(self, request, timeout):
@@ -309,3 +312,21 @@ def test_step_events_out_of_order_are_never_trusted(link_and_stub) -> None:
     stub.events = "unordered"
     assert step(link, [seq]) is None
     assert not seq.drafter_synced and not link.available
+
+
+def test_each_step_sends_the_hop_the_last_one_took(link_and_stub) -> None:
+    """The drafter's gate prices the route of a drafted step: the gateway's part is each
+    Step's wall time less the time the drafter says it spent, sent with the next Step;
+    a drafter that claims more than the wall time gives a hop of 0, never less."""
+    link, stub = link_and_stub
+    seq = make_seq()
+    stub.delay, stub.handled = 0.06, 0.02
+    step(link, [seq])
+    assert stub.requests[-1].caller_hop_seconds == 0  # nothing measured before the first
+    first = link.hop_seconds
+    assert 0.04 <= first < 0.06 + 0.5
+    step(link, [seq])
+    assert stub.requests[-1].caller_hop_seconds == first  # the last Step's, as measured
+    stub.delay, stub.handled = 0.0, 5.0
+    step(link, [seq])
+    assert link.hop_seconds == 0

@@ -263,22 +263,37 @@ class SlowLink(InProcessVerifier):
         return super().verify(request, remaining)
 
 
-@pytest.mark.parametrize("delay", [0.0, 0.05])
-def test_a_gated_drafter_learns_what_its_route_to_the_verifier_costs(delay: float) -> None:
-    """Each drafted Step teaches the gate twice the hop to the verifier (the call less the
-    verifier's forward; the gateway's hop to the drafter is the second): with rows nearly free
-    and a 2 ms step, a 50 ms hop makes even a draft accepted whole a loss, so the gate stops;
-    a hop of nothing keeps it drafting."""
+@pytest.mark.parametrize(("delay", "caller_hop"), [(0.0, 0.0), (0.05, 0.0), (0.0, 0.1)])
+def test_a_gated_drafter_learns_what_its_route_to_the_verifier_costs(
+    delay: float, caller_hop: float
+) -> None:
+    """Each drafted Step teaches the gate its route: the hop to the verifier (the call less
+    the verifier's forward) plus the caller's hop here (``caller_hop_seconds``; until the
+    caller has measured one, taken as the same again). With rows nearly free and a 2 ms step,
+    a 50 ms hop to the verifier or a 100 ms hop from the caller makes even a draft accepted
+    whole a loss, so the gate stops; hops of nothing keep it drafting."""
     cheap_rows = VerifyCost((1, 2, 32), (0.002, 0.00201, 0.0026))
     gate = DraftGate(cheap_rows, GateConfig(prior=2.0))
     drafter = GatedDrafter(NgramDrafter(NGRAM.shape()), gate)
     servicer, target, _, root = setup(drafter, 7, [1, 2, 3, 1, 2, 3, 1, 2], False)
     servicer.verifier = SlowLink(target, delay)
-    (result,) = run_step(servicer, step_item(7, 8, root)).results
+    request = drafter_pb2.StepRequest(items=[step_item(7, 8, root)], caller_hop_seconds=caller_hop)
+    drafted, last = servicer.Step(request, FakeContext())
+    assert last.response.handled_seconds >= delay
     assert step_source(drafter, 7) == "method"  # drafted (prior 2.0 pays), so it learned
-    if delay:
-        assert gate.route_seconds >= GateConfig().alpha * 2 * delay
+    expected = 2 * delay + caller_hop  # (no caller hop measured: the verifier hop twice)
+    if expected:
+        assert gate.route_seconds >= GateConfig().alpha * expected
         assert not gate.could_pay(7, batch=1)
     else:
         assert gate.route_seconds < 0.005
         assert gate.could_pay(7, batch=1)
+
+
+@pytest.mark.parametrize("hop", [-0.1, float("nan"), 61.0])
+def test_a_caller_hop_out_of_bounds_is_refused(hop: float) -> None:
+    servicer, _, _, root = setup(NgramDrafter(NGRAM.shape()), 8, [1, 2], False)
+    request = drafter_pb2.StepRequest(items=[step_item(8, 2, root)], caller_hop_seconds=hop)
+    with pytest.raises(Aborted) as error:
+        list(servicer.Step(request, FakeContext()))
+    assert error.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT
