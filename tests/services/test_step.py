@@ -279,7 +279,8 @@ def test_a_gated_drafter_learns_what_its_route_to_the_verifier_costs(
     servicer.verifier = SlowLink(target, delay)
     request = drafter_pb2.StepRequest(items=[step_item(7, 8, root)], caller_hop_seconds=caller_hop)
     drafted, last = servicer.Step(request, FakeContext())
-    assert last.response.handled_seconds >= delay
+    assert drafted.WhichOneof("event") == "drafted"
+    assert last.response.handled_seconds >= delay  # the verifier's hop is the drafter's time
     assert step_source(drafter, 7) == "method"  # drafted (prior 2.0 pays), so it learned
     expected = 2 * delay + caller_hop  # (no caller hop measured: the verifier hop twice)
     if expected:
