@@ -131,7 +131,12 @@ class DraftNodes:
         return [math.exp(log_joint[i]) for i in order]
 
     def merge(self, other: DraftNodes) -> DraftNodes:
-        """Trie union, as documented on `TokenTree.merge` (which calls this)."""
+        """Trie union of two candidate sets with the same root token (verification fusion):
+        nodes with the same token under the same (merged) parent become one, including
+        duplicate siblings inside either set. Node order: this set's nodes first, then the new
+        ones from `other`. A shared node keeps the larger draft token probability (known only
+        if both sets have them). The union is a deterministic candidate set (TOPK) and carries
+        no draft rows."""
         if self.tokens[0] != other.tokens[0]:
             raise ValueError("merge needs trees with the same root token")
         have_probs = self.probs is not None and other.probs is not None
@@ -150,3 +155,8 @@ class DraftNodes:
                 if have_probs:
                     probs[new_index[i]] = max(probs[new_index[i]], nodes.probs[i])
         return DraftNodes(tokens, parents, probs if have_probs else None)
+
+
+def merge_trees(first: TokenTree, second: TokenTree) -> TokenTree:
+    """Trie union of two trees with the same root token (`DraftNodes.merge`), as a tree."""
+    return DraftNodes.of(first).merge(DraftNodes.of(second)).to_tree()

@@ -3,10 +3,11 @@
 This module owns the `TokenTree` (one sequence's draft, stored as parent pointers as in EAGLE and
 SpecInfer), the `DraftScheme` that says how the drafter chose each node's children (the
 acceptance rule must match it: see `lyanna.verify`), the attention mask and position ids of the
-tree forward, pruning to a node budget by joint draft probability, trie-union merging
-(verification fusion), and packing a batch of trees into padded tensors for one forward.
-A drafter's candidate nodes are `lyanna.draft_nodes.DraftNodes` (plain lists): drafters build,
-prune and merge those and make one `TokenTree` per proposal.
+tree forward, pruning to a node budget by joint draft probability, and packing a batch of trees
+into padded tensors for one forward. A drafter's candidate nodes are
+`lyanna.draft_nodes.DraftNodes` (plain lists): drafters build, prune and merge those
+(trie-union merging is verification fusion, `DraftNodes.merge` and `merge_trees` there; it
+builds on this module, so this one never imports it) and make one `TokenTree` per proposal.
 
 Conventions: node 0 is the root, the last committed token, whose KV is not yet in the target
 cache; `parents[0] == -1` and `parents[i] < i`. The children of a node are listed in increasing
@@ -283,16 +284,6 @@ class TokenTree:
             draft_probs=pick(self.draft_probs),
             vocab_index=self.vocab_index,
         )
-
-    def merge(self, other: TokenTree) -> TokenTree:
-        """Trie union of two trees with the same root token: nodes with the same token under
-        the same (merged) parent become one, including duplicate siblings inside either tree.
-        Node order: this tree's nodes first, then the new ones from `other`. A shared node
-        keeps the larger draft token probability (known only if both trees have them). The
-        union is a deterministic candidate set (TOPK) and carries no draft rows."""
-        from lyanna.draft_nodes import DraftNodes  # it builds TokenTrees: imported late
-
-        return DraftNodes.of(self).merge(DraftNodes.of(other)).to_tree()
 
 
 def log_joint_of(

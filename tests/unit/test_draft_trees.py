@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.profiler import record_function
 
-from lyanna.draft_nodes import DraftNodes
+from lyanna.draft_nodes import DraftNodes, merge_trees
 from lyanna.drafters.base import DraftBudget, VerifiedStep
 from lyanna.drafters.dynamic_tree import TreeContext
 from lyanna.drafters.eagle import EagleDrafter
@@ -372,7 +372,7 @@ def test_token_tree_prune_and_merge_equal_per_node_code(seed: int) -> None:
     ref_other = ReferenceTree(other_tokens, other_parents, other_probs)
     for budget in (0, 1, 3, 7, 20, 80):
         assert_same_tree(tree.prune(budget), ref.prune(budget))
-        assert_same_tree(tree.merge(other).prune(budget), ref.merge(ref_other).prune(budget))
+        assert_same_tree(merge_trees(tree, other).prune(budget), ref.merge(ref_other).prune(budget))
         nodes = DraftNodes.of(tree).merge(DraftNodes.of(other)).prune(budget)
         assert_same_tree(nodes.to_tree(), ref.merge(ref_other).prune(budget))
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from lyanna.draft_nodes import DraftNodes
+from lyanna.draft_nodes import DraftNodes, merge_trees
 from lyanna.tree import DraftScheme, TokenTree, pack_trees
 
 #        0
@@ -186,7 +186,7 @@ def test_prune_of_a_sampled_chain_keeps_its_scheme_and_rows() -> None:
 def test_merge_is_a_trie_union() -> None:
     first = TokenTree.from_parents([0, 1, 2, 3], [-1, 0, 0, 1], scheme=DraftScheme.TOPK)
     second = TokenTree.from_parents([0, 1, 1, 4, 5], [-1, 0, 1, 0, 2], scheme=DraftScheme.TOPK)
-    merged = first.merge(second)
+    merged = merge_trees(first, second)
     # first: 0 -> {1 -> {3}, 2}; second: 0 -> {1 -> {1 -> {5}}, 4}
     assert merged.tokens.tolist() == [0, 1, 2, 3, 1, 4, 5]
     assert merged.parents.tolist() == [-1, 0, 0, 1, 1, 0, 4]
@@ -205,12 +205,12 @@ def test_merge_deduplicates_siblings_and_keeps_larger_probability() -> None:
     other = TokenTree.from_parents(
         [0, 3], [-1, 0], scheme=DraftScheme.IID, draft_token_probs=torch.tensor([1.0, 0.7])
     )
-    merged = iid.merge(other)
+    merged = merge_trees(iid, other)
     assert merged.tokens.tolist() == [0, 3]
     assert merged.draft_token_probs.tolist() == pytest.approx([1.0, 0.7])
-    assert iid.merge(TokenTree.root_only(0)).tokens.tolist() == [0, 3]
+    assert merge_trees(iid, TokenTree.root_only(0)).tokens.tolist() == [0, 3]
     with pytest.raises(ValueError, match="same root"):
-        iid.merge(TokenTree.root_only(1))
+        merge_trees(iid, TokenTree.root_only(1))
 
 
 def test_draft_nodes_prune_merge_and_paths_as_the_tree_does() -> None:
