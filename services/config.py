@@ -32,6 +32,9 @@ class ServerConfig:
     port_file: str | None = None  # write the bound port here once serving
     max_message_mb: int = 64  # max send and receive message size
     grace_seconds: float = 10.0  # SIGTERM: in-flight calls get this long to finish
+    # liveness: NOT_SERVING once the compute thread has had work pending with no progress
+    # for this long (a hung forward or GPU; longer than the slowest legitimate call); 0 = off
+    hang_seconds: float = 30.0
     workers: int = 8  # gRPC handler threads (model work is serialized by a lock)
     max_concurrent_rpcs: int = 64  # beyond this, calls are shed with RESOURCE_EXHAUSTED
     # 0 = the service's default: every CPU for the verifier (its forwards are the step), the
@@ -61,8 +64,8 @@ class ServerConfig:
             raise ValueError("max_message_mb, workers and max_concurrent_rpcs must be >= 1")
         if self.torch_threads < 0:
             raise ValueError("torch_threads must be >= 0")
-        if self.grace_seconds < 0:
-            raise ValueError("grace_seconds must be >= 0")
+        if self.grace_seconds < 0 or self.hang_seconds < 0:
+            raise ValueError("grace_seconds and hang_seconds must be >= 0")
         if self.plane not in PLANE_BACKENDS:
             raise ValueError(f"plane must be one of {PLANE_BACKENDS}, got {self.plane!r}")
         check_server_files(self.tls_cert, self.tls_key, self.tls_client_ca)

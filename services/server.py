@@ -2,6 +2,13 @@
 health checking and reflection, SIGTERM/SIGINT handling that drains in-flight calls, and the
 mapping from core exceptions to gRPC status codes (``rpc_errors``).
 
+Health: the standard gRPC health service answers three kinds of names. ``liveness`` says the
+process makes progress: a ``ComputeWatch`` on the compute thread turns it NOT_SERVING when
+work is pending and nothing started or finished for ``hang_seconds`` (a hung forward or GPU),
+and SERVING again once it moves. ``readiness`` (and ``""`` and every service name) says it
+takes calls: NOT_SERVING while hung and from the first SIGTERM on, while in-flight calls
+drain. Kubernetes probes name them (``grpc: {port: ..., service: liveness}``).
+
 Status codes: an unknown sequence is NOT_FOUND, a sequence whose committed length or next
 token disagrees is FAILED_PRECONDITION, a malformed message is INVALID_ARGUMENT, no free
 slot or room is RESOURCE_EXHAUSTED; anything else is INTERNAL with the error text.
@@ -18,18 +25,22 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from lyanna.kv_cache import CacheFullError
+from lyanna.model.kv_cache import CacheFullError
 from lyanna.target import OutOfStepError, UnknownSequenceError
 from services.config import PARENT_PID_ENV, ServerConfig
 from services.tls import server_credentials
 
 log = logging.getLogger("lyanna.services")
+
+LIVENESS = "liveness"  # health service name: the process makes progress
+READINESS = "readiness"  # health service name: it takes calls (not hung, not draining)
 
 
 class ServiceError(Exception):
@@ -118,14 +129,121 @@ def exit_with_parent(poll_seconds: float = 0.5) -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
-def serve(
+class ComputeWatch:
+    """Progress of a service's compute thread: ``submitted`` when a job is queued, ``started``
+    and ``finished`` around it. ``stalled_for`` is how long work has been pending with no job
+    starting or finishing (0 when idle): a hung forward shows as a growing stall, an idle
+    service as none. Thread safe."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._progress = clock()
+
+    def submitted(self) -> None:
+        with self._lock:
+            if self._pending == 0:  # an idle thread's stall starts now, not at its last job
+                self._progress = self._clock()
+            self._pending += 1
+
+    def started(self) -> None:
+        with self._lock:
+            self._progress = self._clock()
+
+    def finished(self) -> None:
+        with self._lock:
+            self._pending = max(0, self._pending - 1)
+            self._progress = self._clock()
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def stalled_for(self) -> float:
+        with self._lock:
+            return 0.0 if self._pending == 0 else max(0.0, self._clock() - self._progress)
+
+
+class Health:
+    """The health statuses of one server: liveness from a ``ComputeWatch`` (polled by a
+    daemon thread), readiness from liveness and draining."""
+
+    def __init__(
+        self,
+        servicer: health.HealthServicer,
+        service_names: tuple[str, ...],
+        watch: ComputeWatch | None = None,
+        hang_seconds: float = 0.0,
+    ) -> None:
+        self.servicer = servicer
+        self.ready_names = ("", READINESS, *service_names)
+        self.watch, self.hang_seconds = watch, hang_seconds
+        self.draining = False
+        self.hung = False
+        self._lock = threading.Lock()
+
+    def publish(self) -> None:
+        """Set every name's status from the current state."""
+        serving, not_serving = (
+            health_pb2.HealthCheckResponse.SERVING,
+            health_pb2.HealthCheckResponse.NOT_SERVING,
+        )
+        with self._lock:
+            self.servicer.set(LIVENESS, not_serving if self.hung else serving)
+            ready = not (self.hung or self.draining)
+            for name in self.ready_names:
+                self.servicer.set(name, serving if ready else not_serving)
+
+    def drain(self) -> None:
+        self.draining = True
+        self.publish()
+
+    def check(self) -> bool:
+        """Compare the watch's stall with ``hang_seconds`` and publish a change; True when
+        hung."""
+        if self.watch is None or self.hang_seconds <= 0:
+            return False
+        stall = self.watch.stalled_for()
+        hung = stall >= self.hang_seconds
+        if hung != self.hung:
+            self.hung = hung
+            if hung:
+                log.error("compute thread made no progress for %.1f s: liveness NOT_SERVING", stall)
+            else:
+                log.warning("compute thread moves again: liveness SERVING")
+            self.publish()
+        return hung
+
+    def start_watchdog(self, period: float) -> None:
+        if self.watch is None or self.hang_seconds <= 0:
+            return
+
+        def run() -> None:
+            while True:
+                time.sleep(period)
+                self.check()
+
+        threading.Thread(target=run, name="liveness-watchdog", daemon=True).start()
+
+
+@dataclass(slots=True, eq=False)
+class RunningServer:
+    """A started gRPC server, its bound port and its health."""
+
+    server: grpc.Server
+    port: int
+    health: Health
+
+
+def start_server(
     config: ServerConfig,
     add_servicers: Callable[[grpc.Server], None],
     service_names: tuple[str, ...],
-    on_stop: Callable[[], None] | None = None,
-) -> None:
-    """Run a server until SIGTERM or SIGINT, then report NOT_SERVING, stop taking calls and
-    let in-flight ones finish for ``grace_seconds``."""
+    watch: ComputeWatch | None = None,
+) -> RunningServer:
+    """Build, bind and start a server with health (and reflection when asked); the liveness
+    watchdog runs when ``watch`` is given and ``config.hang_seconds`` > 0."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.workers),
         options=config.grpc_options(),
@@ -146,14 +264,28 @@ def serve(
     if port == 0:
         raise OSError(f"cannot bind {config.host}:{config.port}")
     server.start()
-    for name in ("", *service_names):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    if config.port_file:
-        scratch = Path(config.port_file + ".tmp")
-        scratch.write_text(str(port))
-        scratch.replace(config.port_file)
+    status = Health(health_servicer, service_names, watch, config.hang_seconds)
+    status.publish()
+    status.start_watchdog(min(1.0, max(0.05, config.hang_seconds / 4)))
     mode = "plaintext" if credentials is None else "mutual TLS" if config.tls_client_ca else "TLS"
     log.info("serving %s on %s:%d (%s)", ", ".join(service_names), config.host, port, mode)
+    return RunningServer(server, port, status)
+
+
+def serve(
+    config: ServerConfig,
+    add_servicers: Callable[[grpc.Server], None],
+    service_names: tuple[str, ...],
+    on_stop: Callable[[], None] | None = None,
+    watch: ComputeWatch | None = None,
+) -> None:
+    """Run a server until SIGTERM or SIGINT, then report NOT_SERVING on readiness at once,
+    stop taking calls and let in-flight ones finish for ``grace_seconds``."""
+    running = start_server(config, add_servicers, service_names, watch)
+    if config.port_file:
+        scratch = Path(config.port_file + ".tmp")
+        scratch.write_text(str(running.port))
+        scratch.replace(config.port_file)
     # The handler only records the signal: setting a threading.Event from a signal handler
     # deadlocks when the signal lands while the main thread holds that Event's lock inside
     # Event.wait (seen: a service that ignored every later SIGTERM).
@@ -163,8 +295,9 @@ def serve(
     while not signals:
         time.sleep(0.2)
     log.info("draining (grace %.1fs)", config.grace_seconds)
-    health_servicer.enter_graceful_shutdown()
-    server.stop(config.grace_seconds).wait()
+    running.health.drain()
+    running.server.stop(config.grace_seconds).wait()
+    running.health.servicer.enter_graceful_shutdown()
     if on_stop is not None:
         on_stop()
     log.info("stopped")

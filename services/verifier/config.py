@@ -1,5 +1,5 @@
 """The verifier service's own settings (``VerifierConfig``, flags ``--max-running``,
-``--weights``, ``--device``, ...)."""
+``--weights``, ``--device``, ``--lease-seconds``, ...)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,14 @@ class VerifierConfig:
     # draft the root-only steps of items that allow it (VerifyItem.free_drafts) from an
     # n-gram drafter here: no forward, no round trip (see services.verifier.free_drafts)
     free_drafts: bool = True
+    # a sequence's KV slot is leased: every Prefill and Verify naming it renews the lease,
+    # and a slot nobody renewed for this long is reclaimed (its gateway died without a
+    # Release: SIGKILL, OOM); 0 = slots are held until released
+    lease_seconds: float = 60.0
 
     def __post_init__(self) -> None:
+        if self.lease_seconds < 0:
+            raise ValueError("lease_seconds must be >= 0 (0: no lease)")
         TargetConfig(self.max_running, self.max_len, self.rule)
         if self.weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights must be one of {WEIGHT_FORMATS}")

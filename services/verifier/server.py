@@ -12,6 +12,13 @@ a step dies after the verifier committed it and before the gateway heard: the ga
 the step directly with its own committed length, which is the sequence's length *before* the
 last verification, and gets that verification's result again (kept per sequence with its
 hidden rows) instead of a FAILED_PRECONDITION; nothing runs twice.
+
+Every held sequence has a lease (``--lease-seconds``, default 60): each Prefill and Verify that
+names it renews it, and a reaper reclaims the slots whose lease ran out, so a gateway that was
+SIGKILLed or OOM-killed (no Release) does not hold its slots until the verifier restarts. A
+late call for a reclaimed sequence gets NOT_FOUND, which the gateway answers by re-prefilling
+it from its own history (nothing lost or duplicated). The compute thread's progress feeds the
+liveness check (``services.server.ComputeWatch``): a hung forward turns it NOT_SERVING.
 """
 
 from __future__ import annotations
@@ -38,7 +45,15 @@ from services.data_plane import DataPlane
 from services.hidden import HiddenSender
 from services.metrics import VerifierMetrics, serve_metrics
 from services.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
-from services.server import ServiceError, exit_with_parent, invalid, out_of_step, rpc_errors, serve
+from services.server import (
+    ComputeWatch,
+    ServiceError,
+    exit_with_parent,
+    invalid,
+    out_of_step,
+    rpc_errors,
+    serve,
+)
 from services.verifier.config import VerifierConfig
 from services.verifier.free_drafts import FreeDrafts
 
@@ -68,6 +83,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         threads: StepThreads | None = None,
         compute: ThreadPoolExecutor | None = None,
         free: FreeDrafts | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.runner = runner
         self.free = free or FreeDrafts()  # drafts for root-only steps that allow them
@@ -85,6 +101,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         # libgomp stops spinning at barriers and sleeps (a 2-thread forward took 8.9 ms
         # against 4.4 on one thread)
         self._compute_thread = compute or ThreadPoolExecutor(1, thread_name_prefix="compute")
+        self.watch = ComputeWatch(clock)  # the compute thread's progress, for liveness
+        self._clock = clock
+        self._leases: dict[int, float] = {}  # seq id -> when its lease runs out (clock)
+        self.num_reclaimed = 0  # slots whose lease ran out
+        self._reaper: threading.Thread | None = None
 
     @rpc_errors
     def Prefill(
@@ -111,6 +132,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                         prompt_len=item.prompt_len,
                     )
                     done.append(item.seq_id)
+                    self._lease(item.seq_id)
                     first, prompt = prefilled.first_token, list(item.prompt_ids)
                     self.free.start(item.seq_id, prompt, first, item_params)
                     hidden.append(prefilled.hidden if item.return_hidden else None)
@@ -151,6 +173,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if len(set(seq_ids)) != len(seq_ids):
             raise invalid("a sequence may appear once per Verify call")
         trees = [self._tree_of(item) for item in items]
+        self._renew(seq_ids)  # on arrival: a call queued behind others keeps its slots
 
         def work() -> tuple[dict[int, LastStep], list, float]:
             if not context.is_active():  # waited past the caller's deadline: verify nothing,
@@ -232,6 +255,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return step
 
     def _forget(self, seq_id: int) -> bool:
+        self._leases.pop(seq_id, None)
         self._last.pop(seq_id, None)
         self.free.release(seq_id)
         return self.runner.release(seq_id)
@@ -289,10 +313,72 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         here)."""
 
         def locked() -> T:
-            with self._lock:
-                return work()
+            self.watch.started()
+            try:
+                with self._lock:
+                    return work()
+            finally:
+                self.watch.finished()
 
+        self.watch.submitted()
         return self._compute_thread.submit(locked).result()
+
+    # -- leases ----------------------------------------------------------------------------
+
+    def _lease(self, seq_id: int) -> None:
+        if self.config.lease_seconds > 0:
+            self._leases[seq_id] = self._clock() + self.config.lease_seconds
+
+    def _renew(self, seq_ids: list[int]) -> None:
+        """Renew the leases of the held sequences among ``seq_ids`` (a reclaimed or unknown
+        one stays unknown: its call answers NOT_FOUND)."""
+        for seq_id in seq_ids:
+            if seq_id in self._leases:
+                self._lease(seq_id)
+
+    def reclaim_expired(self) -> list[int]:
+        """Release every sequence whose lease ran out (on the compute thread, under the model
+        lock, so no call of it is running); the ids reclaimed."""
+
+        def work() -> list[int]:
+            now = self._clock()
+            expired = [seq_id for seq_id, until in list(self._leases.items()) if until <= now]
+            for seq_id in expired:
+                self._forget(seq_id)
+            if expired:
+                self.num_reclaimed += len(expired)
+                self.metrics.slots(self.runner.num_free_slots)
+                log.warning(
+                    "reclaimed %d slot(s) unrenewed for %.0f s (a gateway gone without a "
+                    "Release?): %s",
+                    len(expired),
+                    self.config.lease_seconds,
+                    expired,
+                )
+            return expired
+
+        now = self._clock()
+        if not any(until <= now for until in list(self._leases.values())):
+            return []  # nothing due: leave the compute thread alone
+        return self._compute(work)
+
+    def start_lease_reaper(self, period: float | None = None) -> None:
+        """Reclaim expired leases from a daemon thread every ``period`` seconds (default: a
+        quarter of the lease, at most 1 s); a no-op without leases."""
+        if self.config.lease_seconds <= 0 or self._reaper is not None:
+            return
+        every = period if period is not None else min(1.0, self.config.lease_seconds / 4)
+
+        def reap() -> None:
+            while True:
+                time.sleep(every)
+                try:
+                    self.reclaim_expired()
+                except Exception:  # never let the reaper die on one failure
+                    log.exception("lease reclaim failed")
+
+        self._reaper = threading.Thread(target=reap, name="lease-reaper", daemon=True)
+        self._reaper.start()
 
     @rpc_errors
     def Capacity(self, request, context) -> verifier_pb2.CapacityResponse:
@@ -387,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
 
     servicer = compute.submit(build).result()
     servicer.threads = threads
+    servicer.start_lease_reaper()
 
     def add(server: grpc.Server) -> None:
         verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
@@ -395,5 +482,11 @@ def main(argv: list[str] | None = None) -> int:
     plane = servicer.sender.plane
     if plane is not None and not plane.wait_ready(server_config.plane_timeout):
         logging.warning("data plane not ready; hidden states travel inline")
-    serve(server_config, add, (SERVICE_NAME,), on_stop=plane.close if plane else None)
+    serve(
+        server_config,
+        add,
+        (SERVICE_NAME,),
+        on_stop=plane.close if plane else None,
+        watch=servicer.watch,
+    )
     return 0

@@ -1,0 +1,184 @@
+"""KV slot leases and the services' health: a slot nobody renews is reclaimed after its TTL
+(a gateway SIGKILLed without a Release) while steps keep a live sequence's lease; a late call
+for a reclaimed sequence gets NOT_FOUND and the gateway re-prefills it without losing or
+repeating a token; liveness turns NOT_SERVING when the compute thread stops making progress
+(a hung forward, simulated by blocking it) and readiness at drain start."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.backend import GenerationRequest
+from gateway.remote import RemoteBackend
+from lyanna.sampling import SamplingParams
+from lyanna.target import TargetConfig, TargetRunner
+from services.config import ServerConfig
+from services.hidden import HiddenSender
+from services.launch import launch
+from services.pb import verifier_pb2, verifier_pb2_grpc
+from services.server import LIVENESS, READINESS, ComputeWatch, start_server
+from services.verifier.config import VerifierConfig
+from services.verifier.server import SERVICE_NAME, VerifierServicer
+from tests.conftest import make_tiny_model
+from tests.services.remote_client import PROMPTS, Outcome, config_for, plain_greedy
+from tests.services.test_servicers import Aborted, FakeContext, prefill, verify_item
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def leased_verifier(clock: Clock, lease_seconds: float = 10.0) -> VerifierServicer:
+    runner = TargetRunner(
+        make_tiny_model(2, vocab_size=16), TargetConfig(max_running=2, max_len=128)
+    )
+    config = VerifierConfig(max_tree_nodes=32, lease_seconds=lease_seconds)
+    return VerifierServicer(runner, config, HiddenSender(), clock=clock)
+
+
+def test_an_unrenewed_slot_is_reclaimed_and_a_stepped_one_is_kept() -> None:
+    clock = Clock()
+    servicer = leased_verifier(clock)
+    idle_root = prefill(servicer, 1, [1, 2, 3])  # its gateway dies: nobody renews it
+    root = prefill(servicer, 2, [4, 5, 6])
+    committed = 3
+    # sequence 2 steps every 6 s: each Verify renews its 10 s lease; 1's runs out at 1010
+    for reclaimed in ([], [1], []):
+        clock.now += 6
+        request = verifier_pb2.VerifyRequest(items=[verify_item(2, committed, root)])
+        result = servicer.Verify(request, FakeContext()).results[0]
+        committed, root = result.ref.num_committed, result.tokens[-1]
+        assert servicer.reclaim_expired() == reclaimed
+    assert 1 not in servicer.runner and 2 in servicer.runner
+    assert servicer.runner.num_free_slots == 1 and servicer.num_reclaimed == 1
+    assert servicer.metrics.kv_slots.labels("free")._value.get() == 1  # the gauge knows
+    # the late call of the dead gateway's sequence: a clear NOT_FOUND, not a crash
+    late = verifier_pb2.VerifyRequest(items=[verify_item(1, 3, idle_root)])
+    with pytest.raises(Aborted) as aborted:
+        servicer.Verify(late, FakeContext())
+    assert aborted.value.args[0] == grpc.StatusCode.NOT_FOUND
+    clock.now += 11  # sequence 2 stops stepping: its lease runs out as well
+    assert servicer.reclaim_expired() == [2] and servicer.runner.num_free_slots == 2
+
+
+def test_no_lease_keeps_slots_until_released() -> None:
+    clock = Clock()
+    servicer = leased_verifier(clock, lease_seconds=0)
+    prefill(servicer, 1, [1, 2, 3])
+    clock.now += 10_000
+    assert servicer.reclaim_expired() == [] and 1 in servicer.runner
+    with pytest.raises(ValueError):
+        VerifierConfig(lease_seconds=-1)
+
+
+def test_a_reclaimed_sequence_is_re_prefilled_without_losing_a_token(
+    tiny_model_dir, tiny_loaded
+) -> None:
+    """The gateway stalls longer than the lease (its event loop blocked): the verifier
+    reclaims its slots; when it wakes, its next Verify gets NOT_FOUND and it re-prefills the
+    sequences from its history; the answers equal plain greedy decoding."""
+    params = SamplingParams(max_tokens=60)
+    expected = plain_greedy(tiny_loaded, PROMPTS[:2], 60)
+
+    async def run(deployment) -> tuple[list[Outcome], int, int]:
+        backend = RemoteBackend(config_for(deployment), frozenset(), lambda ids: "")
+        await backend.start()
+
+        async def collect(prompt: list[int], stall: bool) -> Outcome:
+            outcome = Outcome()
+            stream = backend.generate(GenerationRequest("l", prompt, params))
+            async for delta in stream:
+                outcome.tokens += delta.token_ids
+                if stall and len(outcome.tokens) >= 8 and not outcome.steps:
+                    outcome.steps.append(None)  # (once)
+                    time.sleep(4.0)  # blocks the whole gateway past the 1 s lease
+            return outcome
+
+        outcomes = await asyncio.gather(collect(PROMPTS[0], True), collect(PROMPTS[1], False))
+        stub = backend._verifier
+        capacity = await stub.Capacity(verifier_pb2.CapacityRequest(), timeout=10)
+        await backend.stop()
+        return list(outcomes), backend.num_resumed, capacity.total_slots - capacity.free_slots
+
+    with launch(tiny_model_dir, "ngram", verifier_args=["--lease-seconds", "1"]) as deployment:
+        outcomes, resumed, held = asyncio.run(run(deployment))
+        log = (deployment.log_dir / "verifier.log").read_text()
+    assert [o.tokens for o in outcomes] == expected
+    assert resumed >= 1 and "reclaimed" in log
+    assert held == 0
+
+
+def health_status(channel: grpc.Channel, name: str) -> int:
+    stub = health_pb2_grpc.HealthStub(channel)
+    return stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=10).status
+
+
+def wait_for_status(channel: grpc.Channel, name: str, status: int, within: float) -> float:
+    start = time.monotonic()
+    while health_status(channel, name) != status:
+        assert time.monotonic() - start < within, f"{name} did not turn {status} in {within}s"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def test_liveness_turns_false_when_the_compute_thread_hangs() -> None:
+    servicer = leased_verifier(Clock())
+    servicer.watch = ComputeWatch()  # the real clock for the watchdog
+    config = ServerConfig(hang_seconds=1.0)
+
+    def add(server: grpc.Server) -> None:
+        verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
+
+    running = start_server(config, add, (SERVICE_NAME,), watch=servicer.watch)
+    gate = threading.Event()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            time.sleep(2.5)  # idle for longer than hang_seconds: no work pending, still alive
+            assert health_status(channel, LIVENESS) == SERVING
+            assert health_status(channel, READINESS) == SERVING
+            # a hung forward: the compute thread blocks inside a job, and a call queues behind
+            hung = threading.Thread(target=servicer._compute, args=(lambda: gate.wait(60),))
+            hung.start()
+            # within hang_seconds plus the watchdog's period (generous on a loaded machine)
+            wait_for_status(channel, LIVENESS, NOT_SERVING, within=30)
+            assert health_status(channel, READINESS) == NOT_SERVING
+            assert health_status(channel, "") == NOT_SERVING
+            gate.set()  # the forward returns: alive and ready again
+            hung.join(30)
+            wait_for_status(channel, LIVENESS, SERVING, within=30)
+            assert health_status(channel, READINESS) == SERVING
+            running.health.drain()  # SIGTERM: readiness at once, liveness stays
+            assert health_status(channel, READINESS) == NOT_SERVING
+            assert health_status(channel, SERVICE_NAME) == NOT_SERVING
+            assert health_status(channel, LIVENESS) == SERVING
+    finally:
+        gate.set()
+        running.server.stop(0).wait()
+
+
+def test_compute_watch_counts_a_stall_only_while_work_is_pending() -> None:
+    clock = Clock()
+    watch = ComputeWatch(clock)
+    clock.now += 100
+    assert watch.stalled_for() == 0.0  # idle
+    watch.submitted()
+    clock.now += 5
+    assert watch.stalled_for() == 5.0  # queued, nothing moved
+    watch.started()
+    clock.now += 2
+    assert watch.stalled_for() == 2.0  # running for 2 s
+    watch.finished()
+    assert watch.pending == 0 and watch.stalled_for() == 0.0
