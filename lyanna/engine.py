@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from lyanna.drafters.base import Drafter, NoDrafter, VerifiedStep
-from lyanna.kv_cache import KVCache
+from lyanna.model.kv_cache import KVCache
 from lyanna.model.transformer import Transformer
 from lyanna.scheduler import Emitted, Scheduler, SchedulerConfig, StepTiming
 from lyanna.sequence import Sequence
@@ -172,6 +172,8 @@ class SpecEngine:
         stats.prefill_seconds += time.perf_counter() - start
         stats.num_prefill_tokens += len(seq.prompt_ids)
         emitted = self.scheduler.postprocess_prefill(seq, prefilled.first_token)
+        if prefilled.logprobs is not None:
+            emitted.logprobs = prefilled.logprobs[: len(emitted.tokens)]
         if not seq.finished:
             drafter = self.drafters[seq.method]
             start = time.perf_counter()
@@ -197,6 +199,9 @@ class SpecEngine:
         results = self.target.verify([s.seq_id for s in batch], trees, needs_hidden)
         verify_seconds = time.perf_counter() - start
         emitted = self.scheduler.postprocess(batch, [r.verdict for r in results])
+        for item, result in zip(emitted, results, strict=True):
+            if result.logprobs is not None:  # the emitted tokens are a prefix of the verdict's
+                item.logprobs = result.logprobs[: len(item.tokens)]
         pairs = zip(batch, results, strict=True)
         steps = {s.seq_id: VerifiedStep.of(s.seq_id, r) for s, r in pairs}
         resampled: dict[int, int] = {}

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lyanna.kv_cache import KVCache
+from lyanna.model.kv_cache import KVCache
 from lyanna.model.transformer import Transformer
 
 if TYPE_CHECKING:  # training.distill imports this module

@@ -38,7 +38,7 @@ from lyanna.draft_nodes import DraftNodes
 from lyanna.drafters.base import DraftBudget
 from lyanna.drafters.sampled import DraftSampling, SampledDrafting, SampledTrees, head_children
 from lyanna.drafters.scopes import LAYER_SCOPE, scope
-from lyanna.kv_cache import KVCache
+from lyanna.model.kv_cache import KVCache
 from lyanna.tree import TokenTree
 
 

@@ -33,7 +33,7 @@ from lyanna.drafters.heads import (
 )
 from lyanna.drafters.placement import DraftPlacement
 from lyanna.drafters.scopes import LAYER_SCOPE, scope
-from lyanna.kv_cache import KVCache
+from lyanna.model.kv_cache import KVCache
 from lyanna.model.quant import runs_q4
 from lyanna.model.transformer import ForwardContext, Transformer
 

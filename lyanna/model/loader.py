@@ -14,11 +14,13 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from lyanna.model.calibrate import choose_weights
 from lyanna.model.config import ModelConfig, UnsupportedModelError
 from lyanna.model.cpu_kernels import PackedLinear, prepack_linears
 from lyanna.model.device import check_placement
 from lyanna.model.huge_pages import on_huge_pages
 from lyanna.model.native import load_decoder
+from lyanna.model.paths import MARKER, cache_root
 from lyanna.model.quant import (
     Q4_TYPES,
     TILE,
@@ -314,8 +316,6 @@ def load_model(
                 f"kernel; {path} has none"
             )
         if weights == "auto" and q4:
-            from lyanna.model.calibrate import choose_weights
-
             q4 = q4 if choose_weights(config) == "q4" else None
     if weights == "q4a8" and load_decoder() is None:
         raise CheckpointError("weights='q4a8' needs the native decoder (a C++ compiler)")
@@ -326,8 +326,6 @@ def load_model(
 
 def source_gguf(model_dir: Path) -> Path | None:
     """The GGUF a converted directory was made from, when it is still in the cache."""
-    from lyanna.model.default import MARKER, cache_root
-
     marker = model_dir / MARKER
     if not marker.is_file():
         return None

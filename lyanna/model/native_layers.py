@@ -5,16 +5,14 @@ code so that the model reads as a model."""
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from lyanna.kv_cache import KVCache
 from lyanna.model.config import ModelConfig
-
-if TYPE_CHECKING:
-    from lyanna.model.transformer import Block
+from lyanna.model.cpu_kernels import PackedLinear
+from lyanna.model.kv_cache import KVCache
+from lyanna.model.quant import Int4Linear
 
 
 @functools.lru_cache(maxsize=64)
@@ -26,14 +24,11 @@ def causal_mask(B: int, q: int) -> torch.Tensor:  # [B, q, q] bool: each row see
 NATIVE_MAX_HEAD_DIM = 256  # decoder.cpp's kMaxHeadDim
 
 
-def native_layer_tensors(block: Block) -> list[torch.Tensor] | None:
+def native_layer_tensors(block: nn.Module) -> list[torch.Tensor] | None:
     """The native decoder's view of one layer: norm weights, and per projection its int4 pack
     and scales-and-zeros (``Int4Linear``) or its oneDNN-packed weight and an empty tensor
     (``PackedLinear``); None when the layer cannot run there (a plain or trainable projection,
     heads wider than the extension's limit)."""
-    from lyanna.model.cpu_kernels import PackedLinear
-    from lyanna.model.quant import Int4Linear
-
     if block.config.head_dim > NATIVE_MAX_HEAD_DIM:
         return None
     empty = torch.empty(0)
@@ -54,8 +49,6 @@ def native_layer_tensors(block: Block) -> list[torch.Tensor] | None:
 def int8_rows(module: nn.Module) -> bool:
     """Whether the 4-bit projections under ``module`` take int8 inputs (one native call runs
     them all alike, so they must agree)."""
-    from lyanna.model.quant import Int4Linear
-
     found = {m.int8_rows for m in module.modules() if isinstance(m, Int4Linear)}
     if len(found) > 1:
         raise ValueError("4-bit projections disagree on int8 rows")

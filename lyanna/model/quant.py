@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from lyanna.model import native  # looked up at each call: tests switch the extension off
+
 GROUP = 32  # weights per GGUF block, and the kernel's group size
 KERNEL_DTYPE = torch.bfloat16  # the dtype of the kernel's fast path (activations, scales)
 Q4_TYPES = ("Q4_0", "Q4_1")
@@ -103,10 +105,9 @@ def quantize_q4_1(weight: torch.Tensor) -> Q4Blocks:
 
 def int4_kernel_available() -> bool:
     """Whether 4-bit products can run here: the native decoder's kernel, or torch's."""
-    from lyanna.model.native import load_decoder
 
     ops = torch.ops.aten
-    return load_decoder() is not None or (
+    return native.load_decoder() is not None or (
         hasattr(ops, "_weight_int4pack_mm_for_cpu")
         and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")
     )
@@ -205,10 +206,9 @@ class BlockLinear(nn.Module):
         return BlockLinear(Q8Blocks(blocks.codes[index], blocks.scale[index]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from lyanna.model.native import load_decoder
 
         flat = x.reshape(-1, self.in_features).float().contiguous()
-        out = load_decoder().block_linear(flat, self.packed, self.scales)
+        out = native.load_decoder().block_linear(flat, self.packed, self.scales)
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
 
@@ -247,10 +247,9 @@ class Int4Linear(nn.Module):
 
     def __init__(self, blocks: Q4Blocks, int8_rows: bool = False) -> None:
         super().__init__()
-        from lyanna.model.native import load_decoder
 
         self.out_features, self.in_features = blocks.shape
-        self.native = load_decoder() is not None
+        self.native = native.load_decoder() is not None
         self.int8_rows = int8_rows and self.native
         if self.native:
             self.packed, self.scales = pack_q4(blocks)
@@ -266,9 +265,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if self.native:
-            from lyanna.model.native import load_decoder  # cached: the one built at init
-
-            out = load_decoder().block_linear(
+            out = native.load_decoder().block_linear(
                 flat.float().contiguous(), self.packed, self.scales, self.int8_rows
             )
         else:

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lyanna.kv_cache import KVCache
 from lyanna.model.config import ModelConfig
+from lyanna.model.kv_cache import KVCache
+from lyanna.model.native import load_decoder
 from lyanna.model.native_layers import causal_mask, int8_rows, native_layer_tensors, run_native
 
 
@@ -382,3 +383,13 @@ class Transformer(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., vocab] float32
         """LM head on the given rows only."""
         return self.lm_head(hidden).float()
+
+
+def use_native_layers(module: nn.Module) -> int:
+    """Run every decoder layer (``Block``) under ``module`` whose projections are prepacked or
+    4-bit in the native decoder (a drafter's layers, after ``prepack_linears``); returns how
+    many. Nothing changes when the extension is unavailable."""
+    extension = load_decoder()
+    if extension is None:
+        return 0
+    return sum(b.use_native(extension) for b in module.modules() if isinstance(b, Block))

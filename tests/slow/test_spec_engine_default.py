@@ -9,7 +9,7 @@ import pytest
 from lyanna.decode import generate
 from lyanna.drafters import DraftBudget, DraftCapacity, make_drafter
 from lyanna.engine import DrafterError, EngineConfig, SpecEngine
-from lyanna.kv_cache import CacheFullError
+from lyanna.model.kv_cache import CacheFullError
 from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence
 from lyanna.tokenizer import chat_prompt_ids

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lyanna.decode import generate
-from lyanna.kv_cache import CacheFullError
+from lyanna.model.kv_cache import CacheFullError
 from lyanna.sampling import SamplingParams, logits_to_probs, sample
 from lyanna.sequence import Sequence
 from tests.conftest import make_tiny_model

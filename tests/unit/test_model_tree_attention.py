@@ -146,7 +146,7 @@ def test_grouped_attention_equals_the_flash_kernel(masked: bool) -> None:
 
 
 def test_forward_past_capacity_is_refused(tiny_model: Transformer) -> None:
-    from lyanna.kv_cache import CacheFullError
+    from lyanna.model.kv_cache import CacheFullError
 
     cache = tiny_model.new_cache(1, 8)
     slot = torch.tensor([cache.allocate()])

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lyanna.kv_cache import KVCache
 from lyanna.model import ModelConfig, Transformer, load_model
+from lyanna.model.kv_cache import KVCache
 from lyanna.model.native import load_decoder
 from lyanna.model.native_layers import run_native
 from lyanna.model.quant import Int4Linear, Q4Blocks

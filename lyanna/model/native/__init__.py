@@ -21,6 +21,8 @@ from types import ModuleType
 
 import torch
 
+from lyanna.model.paths import cache_root
+
 SOURCE = Path(__file__).with_name("decoder.cpp")
 SOURCES = (
     SOURCE,
@@ -71,8 +73,6 @@ def load_decoder_variant(define: str) -> ModuleType | None:
 def _build(flags: tuple[str, ...]) -> ModuleType | None:
     from torch.utils.cpp_extension import load
 
-    from lyanna.model.default import cache_root
-
     key = build_key(flags)
     build_dir = Path(os.environ.get("LYANNA_NATIVE_DIR", cache_root() / "native")) / key
     try:
@@ -88,15 +88,3 @@ def _build(flags: tuple[str, ...]) -> ModuleType | None:
     except Exception as exc:  # no compiler, headers, linker or writable directory
         log.warning("native decoder unavailable, using the eager path: %s", exc)
         return None
-
-
-def use_native_layers(module: torch.nn.Module) -> int:
-    """Run every decoder layer (``Block``) under ``module`` whose projections are prepacked or
-    4-bit in the native decoder (a drafter's layers, after ``prepack_linears``); returns how
-    many. Nothing changes when the extension is unavailable."""
-    from lyanna.model.transformer import Block
-
-    extension = load_decoder()
-    if extension is None:
-        return 0
-    return sum(b.use_native(extension) for b in module.modules() if isinstance(b, Block))
