@@ -2,10 +2,13 @@
 
 Names, types, labels, help texts and buckets come from ``services.metric_registry``, the one
 registry of the three processes' metrics (``docs/metrics.md`` and the Grafana dashboard are
-checked against it). Semantics follow vLLM's speculative-decoding and request metrics. Every
-*verification* of one request is a draft step (including steps whose drafter proposed nothing,
-so that ``1 + accepted_tokens_total / draft_steps_total`` is the mean acceptance length, as in
-``lyanna.stats.SpecStats``); position ``p`` of
+checked against it). Semantics follow vLLM's speculative-decoding and request metrics: a
+*draft step* is a verification of one request with at least one draft token (vLLM's
+``num_drafts``), so ``1 + accepted_tokens_total / draft_steps_total`` is vLLM's mean acceptance
+length (``lyanna.stats.SpecStats.draft_acceptance_length``); a verification without a draft
+token (root-only: target-only, gated-off or quiet steps, drafter fallbacks) counts in
+``lyanna_spec_root_only_steps_total`` instead, so the two add up to the verifications; position
+``p`` of
 ``lyanna_spec_accepted_tokens_per_position_total`` counts steps whose draft token at depth
 ``p + 1`` was accepted. Backends never touch Prometheus: the gateway records what each
 ``TokenDelta`` carries. Every series has the labels ``method``, ``model`` and ``service``
@@ -35,6 +38,7 @@ class GatewayMetrics:
         built = GATEWAY.build()
         self.registry = built.registry
         self.draft_steps = built.counter("lyanna_spec_draft_steps_total")
+        self.root_only_steps = built.counter("lyanna_spec_root_only_steps_total")
         self.draft_tokens = built.counter("lyanna_spec_draft_tokens_total")
         self.accepted_tokens = built.counter("lyanna_spec_accepted_tokens_total")
         self.accepted_per_position = built.counter("lyanna_spec_accepted_tokens_per_position_total")
@@ -62,6 +66,7 @@ class GatewayMetrics:
         labels = self.labels(method)
         for metric in (
             self.draft_steps,
+            self.root_only_steps,
             self.draft_tokens,
             self.accepted_tokens,
             self.resampled_accepted,
@@ -74,17 +79,21 @@ class GatewayMetrics:
             metric.labels(**labels)
 
     def record_step(self, step: StepFacts) -> None:
-        """One verification of one request."""
+        """One verification of one request: a draft step when it verified a draft token,
+        a root-only step otherwise (which accepts nothing)."""
         labels = self.labels(step.method)
-        self.draft_steps.labels(**labels).inc()
-        self.draft_tokens.labels(**labels).inc(step.num_drafted)
-        self.accepted_tokens.labels(**labels).inc(step.num_accepted)
-        for position in range(step.num_accepted):
-            position_label = str(min(position, MAX_POSITIONS - 1))
-            self.accepted_per_position.labels(**labels, position=position_label).inc()
-        if step.num_resampled_accepted:
-            self.resampled_accepted.labels(**labels).inc(step.num_resampled_accepted)
-        self.acceptance_length.labels(**labels).observe(step.num_accepted + 1)
+        if step.num_drafted:
+            self.draft_steps.labels(**labels).inc()
+            self.draft_tokens.labels(**labels).inc(step.num_drafted)
+            self.accepted_tokens.labels(**labels).inc(step.num_accepted)
+            for position in range(step.num_accepted):
+                position_label = str(min(position, MAX_POSITIONS - 1))
+                self.accepted_per_position.labels(**labels, position=position_label).inc()
+            if step.num_resampled_accepted:
+                self.resampled_accepted.labels(**labels).inc(step.num_resampled_accepted)
+            self.acceptance_length.labels(**labels).observe(step.num_accepted + 1)
+        else:
+            self.root_only_steps.labels(**labels).inc()
         self.draft_latency.labels(**labels).observe(step.draft_seconds)
         self.verify_latency.labels(**labels).observe(step.verify_seconds)
         if step.drafter_fallback:

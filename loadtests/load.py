@@ -186,17 +186,19 @@ async def one_request(
 
 
 async def spec_counters(client: httpx.AsyncClient, metrics_url: str) -> tuple[float, float] | None:
-    """(accepted tokens, draft steps) summed over every series of the gateway's /metrics."""
+    """(accepted tokens, verifications) summed over every series of the gateway's /metrics:
+    verifications are drafts plus root-only steps, as the responses' usage counts them."""
     try:
         text = (await client.get(metrics_url, timeout=10)).text
     except httpx.HTTPError:
         return None
-    totals = {"lyanna_spec_accepted_tokens_total": 0.0, "lyanna_spec_draft_steps_total": 0.0}
+    steps = ("lyanna_spec_draft_steps_total", "lyanna_spec_root_only_steps_total")
+    totals = dict.fromkeys(("lyanna_spec_accepted_tokens_total", *steps), 0.0)
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in totals:
             totals[name] += float(line.rsplit(" ", 1)[1])
-    return totals["lyanna_spec_accepted_tokens_total"], totals["lyanna_spec_draft_steps_total"]
+    return totals["lyanna_spec_accepted_tokens_total"], sum(totals[name] for name in steps)
 
 
 async def run_load(

@@ -2,6 +2,11 @@
 tokens, acceptance per depth, and where the time went.
 
 *Acceptance length* (tau) counts the residual/bonus token: tokens emitted per verification.
+vLLM's mean acceptance length divides by *drafts* instead, the verifications with at least one
+draft token (``draft_acceptance_length``): root-only steps (target-only decoding, a gated-off
+drafter's plain steps, drafter fallbacks) accept nothing by construction and are counted
+apart (``num_root_only_steps``). The gateway's Prometheus counters and the recording rules use
+vLLM's meaning.
 The *conditional acceptance rate* at depth d is P(depth d accepted | depth d-1 accepted and the
 tree had a node at depth d), the quantity of the Lyanna paper's Table 1.
 """
@@ -23,6 +28,7 @@ def acceptance_length(num_accepted: int, num_steps: int) -> float:
 @dataclass(slots=True)
 class SpecStats:
     num_steps: int = 0  # verifications (one per sequence per engine step)
+    num_drafted_steps: int = 0  # verifications with at least one draft token (vLLM's drafts)
     num_drafted: int = 0
     num_accepted: int = 0
     num_resampled_accepted: int = 0  # accepted tokens only a re-sampled subtree held (Lyanna)
@@ -36,7 +42,9 @@ class SpecStats:
 
     def record(self, verdict: Verdict) -> None:
         self.num_steps += 1
-        self.num_drafted += sum(verdict.num_drafted_per_depth)
+        drafted = sum(verdict.num_drafted_per_depth)
+        self.num_drafted_steps += drafted > 0
+        self.num_drafted += drafted
         self.num_accepted += verdict.num_accepted
         depths = len(verdict.num_drafted_per_depth)
         while len(self.reached) < depths:
@@ -55,8 +63,19 @@ class SpecStats:
         return self.num_accepted + self.num_steps
 
     @property
+    def num_root_only_steps(self) -> int:
+        """Verifications without a draft token (they accept nothing)."""
+        return self.num_steps - self.num_drafted_steps
+
+    @property
     def acceptance_length(self) -> float:
         return acceptance_length(self.num_accepted, self.num_steps)
+
+    @property
+    def draft_acceptance_length(self) -> float:
+        """vLLM's mean acceptance length: tokens emitted per draft (root-only steps left out);
+        what ``lyanna:acceptance_length:rate5m`` records from the gateway's counters."""
+        return acceptance_length(self.num_accepted, self.num_drafted_steps)
 
     @property
     def conditional_acceptance(self) -> list[float]:
@@ -65,6 +84,7 @@ class SpecStats:
     def merge(self, other: SpecStats) -> None:
         for name in (
             "num_steps",
+            "num_drafted_steps",
             "num_drafted",
             "num_accepted",
             "num_resampled_accepted",

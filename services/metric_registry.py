@@ -127,7 +127,18 @@ GATEWAY = Process(
     "gateway",
     "lyanna_",
     (
-        _gateway("lyanna_spec_draft_steps_total", COUNTER, "Verifications (draft steps)."),
+        _gateway(
+            "lyanna_spec_draft_steps_total",
+            COUNTER,
+            "Drafts: verifications with at least one draft token, as vLLM counts them "
+            "(whoever drafted the tree). Mean acceptance length = 1 + accepted / drafts.",
+        ),
+        _gateway(
+            "lyanna_spec_root_only_steps_total",
+            COUNTER,
+            "Verifications without a draft token (a root-only tree: target-only decoding, "
+            "gated-off and quiet steps, drafter fallbacks); not counted as drafts.",
+        ),
         _gateway("lyanna_spec_draft_tokens_total", COUNTER, "Draft tokens verified."),
         _gateway("lyanna_spec_accepted_tokens_total", COUNTER, "Draft tokens accepted."),
         _gateway(
@@ -144,7 +155,7 @@ GATEWAY = Process(
         _gateway(
             "lyanna_spec_acceptance_length",
             HISTOGRAM,
-            "Tokens emitted per verification (accepted + 1).",
+            "Tokens emitted per draft (accepted + 1; root-only steps left out).",
             buckets=ACCEPTANCE_BUCKETS,
         ),
         _gateway(

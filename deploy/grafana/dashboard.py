@@ -11,9 +11,12 @@ differs from what this script writes or names a metric no process exports. Gatew
 carry the ``model`` / ``method`` / ``service`` labels (dashboard variables); the verifier's and
 drafter's carry only what Prometheus adds (``job``, ``instance``).
 
-Acceptance panels leave out target-only decoding (method ``ar``) and steps the drafter missed
-(fallbacks): they measure the drafter, and a drafter outage shows on its own panel instead of
-dragging the acceptance length down.
+Acceptance panels leave out target-only decoding (method ``ar``) and read the draft counters,
+which count drafts only (vLLM's meaning: root-only steps, drafter fallbacks among them, are
+counted apart): they measure the drafter, and a drafter outage or a gate that keeps drafting
+off shows on its own panels instead of dragging the acceptance length down. The acceptance
+length, drafted share and fallback share are the definitions the recording rules use
+(``deploy.prometheus.promql``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 
 from deploy.grafana import configmap
 from deploy.grafana.configmap import CONFIG_MAP
+from deploy.prometheus import promql
 from services.metric_registry import sample_names
 
 OUTPUT = Path(__file__).resolve().parent / "lyanna.json"
@@ -46,17 +50,14 @@ def quantile(q: float, metric: str, labels: str = GATEWAY, by: str = "") -> str:
     return f"histogram_quantile({q}, {rate(metric + '_bucket', labels, groups)})"
 
 
-def drafted_steps(by: str = "") -> str:
-    """Verifications that had a draft: every step minus the drafter's fallbacks (a method
-    with no fallback series yet counts none)."""
-    steps = rate("lyanna_spec_draft_steps_total", SPECULATIVE, by)
-    fallbacks = rate("lyanna_spec_drafter_fallback_total", SPECULATIVE, by)
-    return f"({steps} - ({fallbacks} or {steps} * 0))"
+def speculative(by: str = "") -> promql.Rate:
+    """Summed rates of the speculative methods' series, grouped ``by``."""
+    return lambda metric: rate(metric, SPECULATIVE, by)
 
 
 def acceptance_length(by: str = "") -> str:
-    """1 + accepted / verifications that had a draft."""
-    return f"1 + {rate('lyanna_spec_accepted_tokens_total', SPECULATIVE, by)} / {drafted_steps(by)}"
+    """1 + accepted / drafts, as ``lyanna:acceptance_length:rate5m`` records it."""
+    return promql.acceptance_length(speculative(by))
 
 
 def accepted_at(position: int) -> str:
@@ -105,7 +106,8 @@ def latency_panel(title: str, metric: str, by: str = "method", labels: str = GAT
 
 
 def panels() -> list[Panel]:
-    conditional = [(f"{accepted_at(0)} / {drafted_steps()}", "depth 1")] + [
+    drafts = rate(promql.DRAFTS, SPECULATIVE)
+    conditional = [(f"{accepted_at(0)} / {drafts}", "depth 1")] + [
         (f"{accepted_at(p)} / {accepted_at(p - 1)}", f"depth {p + 1}") for p in range(1, DEPTHS)
     ]
     steps_by_source = rate("lyanna_drafter_steps_total", "", "source")
@@ -116,7 +118,8 @@ def panels() -> list[Panel]:
             "stat",
             "Acceptance length",
             [(acceptance_length(), "")],
-            description="Tokens per verification with a draft: 1 + accepted / drafted steps.",
+            description="vLLM's mean acceptance length: 1 + accepted tokens / drafts "
+            "(verifications with a draft token; root-only steps left out).",
             width=6,
             height=4,
             extra={"options": {"reduceOptions": {"calcs": ["lastNotNull"]}}},
@@ -131,10 +134,10 @@ def panels() -> list[Panel]:
         Panel(
             "stat",
             "Drafter fallback share",
-            [(f"1 - {drafted_steps()} / {rate('lyanna_spec_draft_steps_total', SPECULATIVE)}", "")],
+            [(promql.fallback_share(speculative()), "")],
             unit="percentunit",
-            description="Steps of drafted requests the drafter service did not draft "
-            "(unreachable, late, failed): the gateway verified them root-only.",
+            description="Verifications of drafted requests the drafter service did not draft "
+            "(unreachable, late, failed): the gateway verified them without it.",
             width=6,
             height=4,
         ),
@@ -149,7 +152,17 @@ def panels() -> list[Panel]:
             "timeseries",
             "Acceptance length per method",
             [(acceptance_length("method"), "{{method}}")],
-            description="1.0 = every draft rejected; fallback steps excluded.",
+            description="1.0 = every draft rejected; root-only steps excluded (no value while "
+            "nothing drafts).",
+            width=12,
+        ),
+        Panel(
+            "timeseries",
+            "Drafted share of verifications",
+            [(promql.drafted_share(speculative("method")), "{{method}}")],
+            unit="percentunit",
+            description="Drafts / (drafts + root-only steps): how often a tree with a draft "
+            "token was verified (the draft gate turns drafting off where it does not pay).",
             width=12,
         ),
         Panel(
@@ -165,7 +178,7 @@ def panels() -> list[Panel]:
                     "{{le}}",
                 )
             ],
-            description="Tokens emitted per verification (histogram buckets).",
+            description="Tokens emitted per draft (histogram buckets).",
             width=12,
             extra={
                 "options": {"calculate": False, "yAxis": {"unit": "none"}},

@@ -27,6 +27,7 @@ from yamllint.config import YamlLintConfig
 
 from deploy.grafana import dashboard as grafana_dashboard
 from deploy.k8s.render import render
+from deploy.prometheus import rules as prometheus_rules
 from gateway import cli as gateway_cli
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
@@ -387,11 +388,29 @@ def test_dashboard_queries_use_registered_metrics() -> None:
     assert {"datasource", "model", "method"} <= variables
 
 
-def test_acceptance_panels_leave_out_target_only_and_fallback_steps() -> None:
+def test_the_dashboard_and_the_rules_share_one_acceptance_length() -> None:
+    """The acceptance-length panels and the recording rule are one formula over the draft
+    counters (drafts only; root-only steps left out), with only the label filter, the window
+    and the grouping differing; target-only decoding (ar) stays off the panels."""
     dashboard = json.loads((DEPLOY / "grafana" / "lyanna.json").read_text())
-    panel = next(p for p in dashboard["panels"] if p["title"] == "Acceptance length")
-    expr = panel["targets"][0]["expr"]
-    assert 'method!="ar"' in expr and "lyanna_spec_drafter_fallback_total" in expr
+
+    def normalized(expr: str) -> str:
+        expr = re.sub(r"\{[^}]*\}", "", expr)  # label filters
+        expr = re.sub(r"\[[^]]*\]", "[w]", expr)  # windows
+        return re.sub(r"sum( by \([^)]*\))? ", "sum ", expr)  # grouping
+
+    (recorded,) = [
+        r["expr"]
+        for g in prometheus_rules.groups()
+        for r in g["rules"]
+        if r.get("record") == "lyanna:acceptance_length:rate5m"
+    ]
+    assert "lyanna_spec_draft_steps_total" in recorded and "root_only" not in recorded
+    for title in ("Acceptance length", "Acceptance length per method"):
+        panel = next(p for p in dashboard["panels"] if p["title"] == title)
+        expr = panel["targets"][0]["expr"]
+        assert 'method!="ar"' in expr, title
+        assert normalized(expr) == normalized(recorded), title
 
 
 def test_the_images_install_the_package_as_a_wheel_would(tmp_path) -> None:
