@@ -15,6 +15,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -23,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from gateway.auth import KeyRing, StreamLimiter, TokenRateLimiter
-from gateway.backend import GenerationBackend, TokenDelta
+from gateway.backend import BackendBusy, GenerationBackend, TokenDelta
 from gateway.config import GatewayConfig
 from gateway.errors import (
     APIError,
@@ -33,23 +34,44 @@ from gateway.errors import (
     stream_error,
 )
 from gateway.generation import ClientGone, Generation, unless_disconnected
-from gateway.intake import METHOD_HEADER, Prepared, RequestBuilder
+from gateway.intake import (
+    METHOD_HEADER,
+    REQUEST_ID_HEADER,
+    Prepared,
+    RequestBuilder,
+    request_id_of,
+)
 from gateway.metrics import GatewayMetrics, RequestTracker
 from gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_chunk,
+    chat_logprobs,
     chat_response,
     completion_response,
-    new_id,
     usage,
 )
 from gateway.text import TextStream, make_detokenize
 
 SSE_DONE = "data: [DONE]\n\n"
 API_KEY_STATE = "lyanna_api_key"  # the matched key, in the request's scope state
+METHOD_STATE = "lyanna_method"  # the request's method once the intake chose it (metrics)
 # component states under which the gateway still serves (a drafter in fallback: target-only)
 SERVING_STATES = ("degraded:", "fallback:")
+
+
+@dataclass(frozen=True, slots=True)
+class Surface:
+    """What the chat and text completion routes do differently: the id prefix and the
+    shapes of a whole answer and of each stream chunk (``with_usage``: chunks carry a
+    ``usage`` field; ``lp``: a chat ``logprobs`` object or None)."""
+
+    prefix: str
+    whole: Callable[[str, str, str, dict, dict | None], dict]
+    opening: Callable[[str, bool], list[dict]]
+    piece: Callable[[str, str, bool, dict | None], dict]
+    final: Callable[[str, str | None, bool, dict | None], dict]
+    usage_only: Callable[[str, dict], dict]
 
 
 def sse(payload: dict) -> str:
@@ -58,11 +80,13 @@ def sse(payload: dict) -> str:
 
 class Guard:
     """ASGI middleware: API keys on ``/v1/`` routes (and ``/metrics`` when configured), each
-    key's requests in flight and tokens per minute bounded, and a bound on request body
-    bytes."""
+    key's requests in flight and tokens per minute bounded, a bound on request body bytes,
+    and every response counted by path and status code (its own refusals included)."""
 
-    def __init__(self, app, config: GatewayConfig, tokens: TokenRateLimiter) -> None:
-        self.app, self.config = app, config
+    def __init__(
+        self, app, config: GatewayConfig, tokens: TokenRateLimiter, metrics: GatewayMetrics
+    ) -> None:
+        self.app, self.config, self.metrics = app, config, metrics
         self._keys = KeyRing(config.api_keys, config.api_keys_file)
         self._streams = StreamLimiter(config.max_streams_per_key)
         self._tokens = tokens  # charged by the routes when a request finishes
@@ -71,6 +95,17 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        state = scope.setdefault("state", {})  # shared with the routes (METHOD_STATE)
+
+        async def counted(message) -> None:
+            if message["type"] == "http.response.start":
+                method = state.get(METHOD_STATE)
+                self.metrics.response(scope["path"], message["status"], method)
+            await send(message)
+
+        await self._guarded(scope, receive, counted)
+
+    async def _guarded(self, scope, receive, send) -> None:
         headers = dict(scope.get("headers", ()))
         path = scope["path"]
         guarded = path.startswith("/v1/") or (path == "/metrics" and self.config.metrics_need_key)
@@ -98,6 +133,7 @@ class Guard:
                     "rate_limit_exceeded",
                     headers={"Retry-After": str(wait)},
                 )
+                self.metrics.reject("rate_limit_exceeded")
                 await response(scope, receive, send)
                 return
             scope.setdefault("state", {})[API_KEY_STATE] = key  # the routes charge it
@@ -110,6 +146,7 @@ class Guard:
                     "too_many_requests",
                     headers={"Retry-After": "1"},
                 )
+                self.metrics.reject("too_many_requests")
                 await response(scope, receive, send)
                 return
             try:
@@ -163,7 +200,7 @@ def create_app(
 
     app = FastAPI(title="Lyanna", version="0.1.0", lifespan=lifespan)
     tokens = TokenRateLimiter(config.max_tokens_per_minute_per_key)
-    app.add_middleware(Guard, config=config, tokens=tokens)
+    app.add_middleware(Guard, config=config, tokens=tokens, metrics=metrics)
     install_error_handlers(app)
     app.state.metrics, app.state.backend = metrics, backend
 
@@ -178,6 +215,9 @@ def create_app(
             raise invalid(str(err)) from err
         except ClientGone:
             tracker.finish("abort")
+            raise
+        except BackendBusy:
+            tracker.reject("queue_full")  # a refusal, not a failure: counted apart
             raise
         except BaseException:
             tracker.finish("error")
@@ -199,19 +239,87 @@ def create_app(
             tracker.num_prompt_tokens, tracker.num_output_tokens, generation.spec_summary()
         )
 
-    async def respond(
-        request: Request,
-        prepared: Prepared,
-        stream: bool,
-        include_usage: bool,
-        whole: Callable[[str, Generation], dict],
-        chunks: Callable[[Generation, bool], AsyncIterator[str]],
+    def token_text(token: int) -> str:
+        return detokenize([token])
+
+    def logprobs_of(prepared: Prepared, entries: list) -> dict | None:
+        return None if prepared.logprobs is None else chat_logprobs(entries, token_text)
+
+    model = config.model_name
+    surfaces = {
+        "chat": Surface(
+            prefix="chatcmpl",
+            whole=lambda rid, text, finish, use, lp: chat_response(
+                rid, model, text, finish, use, lp
+            ),
+            opening=lambda rid, with_usage: [
+                chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, None, with_usage)
+            ],
+            piece=lambda rid, text, with_usage, lp: chat_chunk(
+                rid, model, {"content": text}, None, None, with_usage, lp
+            ),
+            final=lambda rid, finish, with_usage, lp: chat_chunk(
+                rid, model, {}, finish, None, with_usage, lp
+            ),
+            usage_only=lambda rid, use: chat_chunk(rid, model, None, None, use, True),
+        ),
+        "completion": Surface(
+            prefix="cmpl",
+            whole=lambda rid, text, finish, use, lp: completion_response(
+                rid, model, text, finish, use
+            ),
+            opening=lambda rid, with_usage: [],
+            piece=lambda rid, text, with_usage, lp: completion_response(
+                rid, model, text, None, None
+            ),
+            final=lambda rid, finish, with_usage, lp: completion_response(
+                rid, model, "", finish, None
+            ),
+            usage_only=lambda rid, use: {
+                **completion_response(rid, model, "", None, use),
+                "choices": [],
+            },
+        ),
+    }
+
+    async def serve(
+        request: Request, body: ChatCompletionRequest | CompletionRequest, surface: Surface
     ) -> Response:
+        """The one code path of both generation routes: intake, queueing, then a whole
+        answer or an SSE stream; ``surface`` holds what differs (ids and body shapes)."""
+        request_id = request_id_of(request.headers.get(REQUEST_ID_HEADER))
+        header_method = request.headers.get(METHOD_HEADER)
+        if isinstance(body, ChatCompletionRequest):
+            prepared = await builder.chat(body, header_method, request_id)
+        else:
+            prepared = await builder.completion(body, header_method, request_id)
+        request.scope.setdefault("state", {})[METHOD_STATE] = prepared.method
+        # the response id carries the request id, so a client's X-Request-Id finds its answer
+        rid = f"{surface.prefix}-{request_id}"
+        with_usage = body.include_usage
+
+        async def chunks(generation: Generation) -> AsyncIterator[str]:
+            for opening in surface.opening(rid, with_usage):
+                yield sse(opening)
+            try:
+                async for piece in generation.texts():
+                    lp = logprobs_of(prepared, generation.unsent_logprobs())
+                    yield sse(surface.piece(rid, piece, with_usage, lp))
+            except (APIError, RuntimeError, ValueError) as err:
+                yield sse(stream_error(err))
+                yield SSE_DONE
+                return
+            lp = logprobs_of(prepared, generation.unsent_logprobs())
+            yield sse(surface.final(rid, generation.finish_reason, with_usage, lp))
+            if with_usage:
+                yield sse(surface.usage_only(rid, usage_of(generation)))
+            yield SSE_DONE
+
         try:
             generation = await start(request, prepared)
-            if stream:
+            if body.stream:
                 return StreamingResponse(
-                    chunks(generation, include_usage),
+                    chunks(generation),
                     media_type="text/event-stream",
                     headers={**headers(prepared), "Cache-Control": "no-cache"},
                     background=BackgroundTask(generation.close),
@@ -219,66 +327,18 @@ def create_app(
             text = await unless_disconnected(request, generation.collect())
         except ClientGone:
             return Response(status_code=499)
-        return JSONResponse(whole(text, generation), headers=headers(prepared, generation))
+        finish = generation.finish_reason or "stop"
+        lp = logprobs_of(prepared, generation.logprobs)
+        answer = surface.whole(rid, text, finish, usage_of(generation), lp)
+        return JSONResponse(answer, headers=headers(prepared, generation))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        prepared = await builder.chat(body, request.headers.get(METHOD_HEADER))
-        rid = new_id("chatcmpl")
-
-        def whole(text: str, generation: Generation) -> dict:
-            finish = generation.finish_reason or "stop"
-            return chat_response(rid, config.model_name, text, finish, usage_of(generation))
-
-        async def chunks(generation: Generation, include_usage: bool) -> AsyncIterator[str]:
-            def chunk(delta: dict | None, finish: str | None = None, use=None) -> str:
-                return sse(chat_chunk(rid, config.model_name, delta, finish, use, include_usage))
-
-            yield chunk({"role": "assistant", "content": ""})
-            try:
-                async for piece in generation.texts():
-                    yield chunk({"content": piece})
-            except (APIError, RuntimeError, ValueError) as err:
-                yield sse(stream_error(err))
-                yield SSE_DONE
-                return
-            yield chunk({}, generation.finish_reason)
-            if include_usage:
-                yield chunk(None, None, usage_of(generation))
-            yield SSE_DONE
-
-        return await respond(
-            request, prepared, bool(body.stream), body.include_usage, whole, chunks
-        )
+        return await serve(request, body, surfaces["chat"])
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        prepared = await builder.completion(body, request.headers.get(METHOD_HEADER))
-        rid = new_id("cmpl")
-
-        def whole(text: str, generation: Generation) -> dict:
-            finish = generation.finish_reason or "stop"
-            return completion_response(rid, config.model_name, text, finish, usage_of(generation))
-
-        async def chunks(generation: Generation, include_usage: bool) -> AsyncIterator[str]:
-            try:
-                async for piece in generation.texts():
-                    yield sse(completion_response(rid, config.model_name, piece, None, None))
-            except (APIError, RuntimeError, ValueError) as err:
-                yield sse(stream_error(err))
-                yield SSE_DONE
-                return
-            finish = generation.finish_reason
-            yield sse(completion_response(rid, config.model_name, "", finish, None))
-            if include_usage:
-                final = completion_response(rid, config.model_name, "", None, usage_of(generation))
-                final["choices"] = []
-                yield sse(final)
-            yield SSE_DONE
-
-        return await respond(
-            request, prepared, bool(body.stream), body.include_usage, whole, chunks
-        )
+        return await serve(request, body, surfaces["completion"])
 
     @app.get("/v1/models")
     async def list_models() -> dict:

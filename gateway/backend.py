@@ -64,6 +64,7 @@ class TokenDelta:
     step: StepFacts | None = None  # None for the first token (it comes from prefill)
     prompt_tokens: int = 0  # set on the first delta
     extra: dict = field(default_factory=dict)
+    logprobs: list | None = None  # one lyanna.sampling.TokenLogprob per token (when asked)
 
 
 class BackendUnavailable(RuntimeError):
