@@ -198,7 +198,8 @@ def create_app(
         yield
         await backend.stop()
 
-    app = FastAPI(title="Lyanna", version="0.1.0", lifespan=lifespan)
+    hidden = {} if config.openapi else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="Lyanna", version="0.1.0", lifespan=lifespan, **hidden)
     tokens = TokenRateLimiter(config.max_tokens_per_minute_per_key)
     app.add_middleware(Guard, config=config, tokens=tokens, metrics=metrics)
     install_error_handlers(app)

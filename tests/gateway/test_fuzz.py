@@ -43,7 +43,8 @@ class FewTokensBackend(RefusingBackend):
 
 @pytest.fixture(scope="module")
 def schema(default_tokenizer):
-    app = create_app(FewTokensBackend(), default_tokenizer, GatewayConfig(model_name=MODEL_NAME))
+    config = GatewayConfig(model_name=MODEL_NAME, openapi=True)  # off by default
+    app = create_app(FewTokensBackend(), default_tokenizer, config)
     return schemathesis.openapi.from_asgi("/openapi.json", app)
 
 
