@@ -24,8 +24,8 @@ from typing import Any
 from fastapi import FastAPI
 
 from gateway.app import create_app
-from gateway.cli import placement
 from gateway.config import GatewayConfig
+from gateway.device_args import placement
 from gateway.embedded import EmbeddedConfig
 from gateway.server import embedded_app, load, serve
 from gateway.text import make_detokenize

@@ -1,12 +1,20 @@
 """Assembling and running a gateway: the embedded backend on a model directory, uvicorn in the
-foreground (``lyanna serve``) or in a background thread on a free port (tests, benchmarks)."""
+foreground (``lyanna serve``) or in a background thread on a free port (tests, benchmarks).
+
+Draining: the first SIGTERM (or SIGINT) starts a drain instead of closing the listener:
+``/readyz`` answers 503 at once (the load balancer stops sending), every new API request gets
+503 with ``Retry-After`` (a client retries elsewhere), and the streams in flight run to their
+end, for at most ``drain_seconds``; then uvicorn shuts down (cutting what is left) and the
+backend stops. A second signal stops at once. Kubernetes' ``preStop`` sleep runs before the
+SIGTERM, while the endpoint is being removed (deploy/k8s/base/gateway.yaml)."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +26,16 @@ from fastapi import FastAPI
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.embedded import EmbeddedBackend, EmbeddedConfig
+from gateway.errors import error_response
 from lyanna.model.transformer import Transformer
+
+log = logging.getLogger(__name__)
+
+DRAIN_SECONDS = 60.0  # default bound on a drain: streams longer than this are cut
+# paths that keep answering while draining (probes, scrapes); /readyz answers 503
+PROBE_PATHS = frozenset({"/livez", "/health", "/metrics"})
+Scope = MutableMapping[str, Any]
+ASGIApp = Callable[[Scope, Callable, Callable], Awaitable[None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,20 +82,127 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def serve(app: FastAPI, config: GatewayConfig, log_level: str = "info") -> None:
-    """Run until SIGINT/SIGTERM; in-flight requests drain before the backend stops."""
-    uvicorn.run(
-        app, host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=30
+class DrainGate:
+    """An ASGI wrapper that counts the API requests in flight (a stream counts until its last
+    byte) and, once ``draining``, answers ``/readyz`` and new API requests with 503."""
+
+    def __init__(self, app: ASGIApp, retry_after: int = 1) -> None:
+        self.app = app
+        self.retry_after = retry_after
+        self.draining = False
+        self.in_flight = 0
+
+    @property
+    def state(self) -> Any:  # the wrapped app's state (tests reach the backend through it)
+        return self.app.state
+
+    async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":  # lifespan: start and stop the backend as before
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        if self.draining and path not in PROBE_PATHS:
+            if path == "/readyz":
+                from fastapi.responses import JSONResponse
+
+                response = JSONResponse({"status": "draining"}, status_code=503)
+            else:
+                response = error_response(
+                    503,
+                    "the server is shutting down; retry on another replica",
+                    code="draining",
+                    headers={"Retry-After": str(self.retry_after)},
+                )
+            await response(scope, receive, send)
+            return
+        counted = path not in PROBE_PATHS and path != "/readyz"
+        self.in_flight += counted
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= counted
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn whose first exit signal drains (``DrainGate``) for up to ``drain_seconds``
+    before it shuts down; a second signal shuts down at once."""
+
+    def __init__(self, config: uvicorn.Config, gate: DrainGate, drain_seconds: float) -> None:
+        super().__init__(config)
+        self.gate, self.drain_seconds = gate, drain_seconds
+        self.drain_deadline: float | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.gate.draining or self.drain_seconds <= 0:
+            super().handle_exit(sig, frame)
+            return
+        self.begin_drain()
+
+    def begin_drain(self) -> None:
+        """Readiness off and new requests refused now; shut down once nothing is in flight
+        or ``drain_seconds`` have passed."""
+        if self.gate.draining:
+            return
+        self.gate.draining = True
+        self.drain_deadline = time.monotonic() + self.drain_seconds
+        log.info(
+            "draining: %d request(s) in flight, at most %.0f s",
+            self.gate.in_flight,
+            self.drain_seconds,
+        )
+
+    async def on_tick(self, counter: int) -> bool:
+        if await super().on_tick(counter):
+            return True
+        if self.drain_deadline is None:
+            return False
+        if self.gate.in_flight == 0:
+            log.info("drained")
+            return True
+        if time.monotonic() >= self.drain_deadline:
+            log.warning("drain bound reached; cutting %d request(s)", self.gate.in_flight)
+            return True
+        return False
+
+
+def draining_server(
+    app: FastAPI,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    drain_seconds: float = DRAIN_SECONDS,
+) -> DrainingServer:
+    gate = DrainGate(app)
+    # the drain already let the streams finish: what is left after it is cut quickly
+    config = uvicorn.Config(
+        gate, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
     )
+    return DrainingServer(config, gate, drain_seconds)
+
+
+def serve(
+    app: FastAPI,
+    config: GatewayConfig,
+    log_level: str = "info",
+    drain_seconds: float = DRAIN_SECONDS,
+) -> None:
+    """Run until SIGINT/SIGTERM, drain (see the module docstring), then stop the backend."""
+    draining_server(app, config.host, config.port, log_level, drain_seconds).run()
 
 
 class ThreadedServer:
-    """uvicorn in a daemon thread (its own event loop); ``url`` once ``start`` returns."""
+    """uvicorn in a daemon thread (its own event loop); ``url`` once ``start`` returns;
+    ``drain`` does what SIGTERM does to ``serve``."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int | None = None) -> None:
+    def __init__(
+        self,
+        app: FastAPI,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        drain_seconds: float = DRAIN_SECONDS,
+    ) -> None:
         self.app, self.host, self.port = app, host, port or free_port(host)
-        config = uvicorn.Config(app, host=self.host, port=self.port, log_level="warning")
-        self._server = uvicorn.Server(config)
+        self._server = draining_server(app, self.host, self.port, "warning", drain_seconds)
         self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
 
     @property
@@ -93,6 +217,19 @@ class ThreadedServer:
                 raise RuntimeError("the gateway did not start")
             time.sleep(0.05)
         return self
+
+    def drain(self) -> None:
+        """Start a drain (the server stops by itself once it is over)."""
+        self._server.begin_drain()
+
+    @property
+    def in_flight(self) -> int:
+        return self._server.gate.in_flight
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the server to stop; True when it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def stop(self) -> None:
         self._server.should_exit = True

@@ -11,15 +11,12 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from lyanna.model.default import sha256_of
-
-if TYPE_CHECKING:  # training.distill imports this module
-    from training.distill import Answer, DistillConfig
+from training.distill_jobs import Answer, DistillConfig
 
 IDS_PATTERN = "ids-{:05d}.safetensors"
 

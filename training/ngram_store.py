@@ -19,7 +19,7 @@ import time
 
 from lyanna.drafters.checkpoint import checkpoint_dir
 from lyanna.drafters.ngram_store import DEFAULT_STORE, NgramStore, StoreConfig
-from training.distill import REPO
+from training.distill_jobs import REPO
 from training.id_shards import read_ids_shard
 
 DATA_ROOT = REPO / "data" / "distill"

@@ -4,7 +4,7 @@ throughput comes from the width of the batch, not from refilling slots. Each gro
 ``batch_size`` prompts is prefilled in chunks of similar length, then decoded one token per
 row per step with the choice made on the device (argmax, or a sample at the row's
 temperature) until every row has its closing token and that token's hidden state. The answers
-are ``training.distill.Answer`` objects, as the continuous-batching path makes them; sampled
+are ``training.distill_jobs.Answer`` objects, as the continuous-batching path makes them; sampled
 rows draw from one device generator per group (seeded), so they are not the CPU path's draws.
 """
 
@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
 
 import torch
 
 from lyanna.model.kv_cache import KVCache
 from lyanna.model.transformer import Transformer
-
-if TYPE_CHECKING:  # training.distill imports this module
-    from training.distill import Answer, DistillConfig, Job
+from training.distill_jobs import Answer, DistillConfig, Job
 
 PREFILL_ROWS = 64  # prompts per prefill forward (the causal mask is rows x width x width)
 
@@ -40,7 +37,7 @@ def choose_tokens(
 def generate_static(
     model: Transformer, jobs: Iterable[Job], config: DistillConfig, eos_id: int, seed: int = 0
 ) -> Iterator[Answer]:
-    """Answers to ``jobs`` (``training.distill.Job``), ``config.batch_size`` at a time."""
+    """Answers to ``jobs`` (``training.distill_jobs.Job``), ``config.batch_size`` at a time."""
     jobs = iter(jobs)
     for group_index in itertools.count():
         group = list(itertools.islice(jobs, config.batch_size))
@@ -53,8 +50,6 @@ def generate_static(
 def _answer_group(
     model: Transformer, group: list[Job], config: DistillConfig, eos_id: int, seed: int
 ) -> list[Answer]:
-    from training.distill import Answer  # at call time: distill imports this module
-
     device = model.embed_tokens.weight.device
     group = sorted(group, key=lambda job: len(job.prompt_ids))  # similar widths per chunk
     B = len(group)

@@ -154,7 +154,8 @@ def test_services_mode_passes_device_and_dtype_to_both_services(tiny_chat_dir, m
 
     calls = []
 
-    def no_launch(model, method, verifier_args, drafter_args):
+    def no_launch(model, method, verifier_args, drafter_args, plane="grpc"):
+        assert plane == "grpc"  # the default data plane: hidden states inline
         calls.append((method, verifier_args, drafter_args))
         raise services.launch.LaunchError("not in this test")
 
