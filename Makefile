@@ -6,7 +6,7 @@ PROMPT  ?= Explain speculative decoding in two sentences.
 MODE    ?= services
 SERVE   ?=
 
-.PHONY: install run generate chat test test-fast lint format bench model proto prometheus clean
+.PHONY: install run generate chat test test-fast lint format bench model proto prometheus kubectl clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -46,7 +46,14 @@ prometheus:              ## the real Prometheus the metrics test scrapes (Debian
 		$$SUDO apt-get update -qq && \
 		$$SUDO apt-get install -y -qq --no-install-recommends prometheus; }
 
-test: lint model prometheus  ## the whole suite, real-model tests included (what CI runs)
+kubectl:                 ## kubectl with kustomize v5 composes deploy/k8s in the tests (the machine image ships it)
+	@command -v kubectl >/dev/null || { \
+		SUDO=""; [ "$$(id -u)" -eq 0 ] || SUDO=sudo; \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends kubectl; }
+	@kubectl version --client | grep -q 'Kustomize Version: v[5-9]' || \
+		{ echo "kubectl with kustomize v5 or newer is needed (kubectl 1.27+)"; exit 1; }
+
+test: lint model prometheus kubectl  ## the whole suite, real-model tests included (what CI runs)
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)      ## skip the slow real-model tests

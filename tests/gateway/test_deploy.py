@@ -36,6 +36,7 @@ from lyanna.model import huge_pages
 from services.config import ServerConfig, parse_configs
 from services.drafter.server import DrafterConfig
 from services.metrics import DrafterMetrics, VerifierMetrics
+from services.server import LIVENESS, READINESS
 from services.verifier.config import VerifierConfig
 from tests.gateway import crds
 
@@ -113,26 +114,39 @@ def test_overlays_render_and_validate_strictly(overlay: str) -> None:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_gpu_pools_and_placement(overlay: str) -> None:
-    """GPU pools: the verifier on one GPU of the pool, told to use it in bfloat16; the
-    drafter (CPU-only learned drafters) without a GPU, next to the verifier."""
+    """GPU pools: the verifier and the drafter each on one GPU of the pool, both told the same
+    device, dtype and weights (the drafter measures its cost curve on the target and takes
+    its hidden rows), hidden states over NCCL; the CPU overlay: no GPU, no data plane."""
     docs = documents(overlay)
+    config = docs[("ConfigMap", "lyanna-config")]["data"]
+    planes = {config[f"LYANNA_{key}PLANE"] for key in ("VERIFIER_", "DRAFTER_", "DATA_")}
+    assert planes == ({"grpc"} if overlay == "cpu" else {"nccl"})
+    placements = []
     for role in ("verifier", "drafter"):
         pod = pod_of(docs[("Deployment", f"lyanna-{role}")])
         limits = pod["containers"][0]["resources"]["limits"]
         env = {e["name"]: e["value"] for e in pod["containers"][0].get("env", [])}
-        if overlay == "cpu" or role == "drafter":
+        if overlay == "cpu":
             assert "nvidia.com/gpu" not in limits and "nodeAffinity" not in pod.get("affinity", {})
             assert not any(k.endswith("_DEVICE") for k in env)
             continue
         assert limits["nvidia.com/gpu"] == 1
         assert pod["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] == 1
-        assert env == {"LYANNA_VERIFIER_DEVICE": "cuda", "LYANNA_VERIFIER_DTYPE": "bfloat16"}
+        prefix = f"LYANNA_{role.upper()}_"
+        assert env == {
+            prefix + "DEVICE": "cuda",
+            prefix + "DTYPE": "bfloat16",
+            prefix + "WEIGHTS": "fp32",
+        }
+        placements.append({k.removeprefix(prefix): v for k, v in env.items()})
         assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
         terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
         products = terms["nodeSelectorTerms"][0]["matchExpressions"][0]["values"]
         assert products and all(overlay.upper() in p for p in products)
         mounts = {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
         assert "/dev/shm" in mounts
+    if overlay != "cpu":
+        assert placements[0] == placements[1]  # the drafter gets the verifier's placement
     drafter = pod_of(docs[("Deployment", "lyanna-drafter")])
     if overlay != "cpu":  # on the verifier's (tainted GPU) node
         assert any(t["key"] == "nvidia.com/gpu" for t in drafter["tolerations"])
@@ -227,6 +241,29 @@ def test_probes_follow_what_each_process_can_answer() -> None:
         container = pod_of(docs[("Deployment", f"lyanna-{role}")])["containers"][0]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"]["port"] == port, (role, probe)
+        # the services' health names (services.server): liveness notices a hung compute
+        # thread, readiness turns off at drain start
+        assert container["livenessProbe"]["grpc"]["service"] == LIVENESS
+        assert container["readinessProbe"]["grpc"]["service"] == READINESS
+
+
+def test_every_pod_drains_before_it_is_killed() -> None:
+    """A preStop sleep lets the endpoints drop each pod before SIGTERM, and the grace period
+    covers that sleep plus the drain (the gateway's streams, the services' calls)."""
+    docs = documents()
+    env = docs[("ConfigMap", "lyanna-config")]["data"]
+    drains = {
+        "gateway": float(env["LYANNA_DRAIN_SECONDS"]) + 5,  # + uvicorn's final shutdown
+        "verifier": float(env["LYANNA_VERIFIER_GRACE_SECONDS"]),
+        "drafter": float(env["LYANNA_DRAFTER_GRACE_SECONDS"]),
+    }
+    assert drains["gateway"] > 30 + 5  # streams longer than 30 s are no longer cut
+    for role, drain in drains.items():
+        pod = pod_of(docs[("Deployment", f"lyanna-{role}")])
+        command = pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+        sleep = float(command[-1].split("sleep(")[1].rstrip(")"))
+        assert sleep > 0
+        assert pod["terminationGracePeriodSeconds"] > sleep + drain, role
 
 
 def test_only_gateways_reach_the_services_and_the_gateway_scales() -> None:
