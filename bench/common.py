@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
-from gateway.cli import add_placement_args
+from gateway.device_args import add_placement_args
 from lyanna.drafters import TREE_MODES, DraftBudget, default_budget, tree_budget
 from lyanna.model.loader import WEIGHT_FORMATS
 from lyanna.tokenizer import chat_prompt_ids

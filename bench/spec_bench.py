@@ -33,7 +33,7 @@ from bench.common import (
     question_prompt,
     set_threads,
 )
-from gateway.cli import placement
+from gateway.device_args import placement
 from lyanna.drafters import DRAFTERS, MODEL_FREE_METHODS, DraftBudget, Drafter, make_drafter
 from lyanna.engine import EngineConfig, SpecEngine
 from lyanna.model import fetch_default_model, load_model

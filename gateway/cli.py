@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from gateway.device_args import add_placement_args, placement
 from lyanna.sampling import SamplingParams
 
 
@@ -93,47 +94,6 @@ def _add_weights(parser: argparse.ArgumentParser) -> None:
         "prefill, less exact), fp32 = dequantized (exact), auto = fp32 or q4, whichever "
         "measured faster here (env LYANNA_WEIGHTS)",
     )
-
-
-def add_placement_args(parser: argparse.ArgumentParser, services: bool = False) -> None:
-    """``--device`` and ``--dtype`` with defaults from ``LYANNA_DEVICE`` / ``LYANNA_DTYPE``;
-    a malformed value is a usage error; ``placement`` checks the rest (CUDA present, the
-    weight format) before anything loads."""
-    from lyanna.model.device import DTYPES, parse_device, parse_dtype
-
-    def checked(parse):
-        def convert(text: str) -> str:
-            try:
-                parse(text)
-            except ValueError as err:
-                raise argparse.ArgumentTypeError(str(err)) from None
-            return text
-
-        return convert
-
-    where = "the target (embedded) or both services (services mode)" if services else "the model"
-    parser.add_argument(
-        "--device",
-        type=checked(lambda name: parse_device(name, usable_here=False)),
-        default=os.environ.get("LYANNA_DEVICE", "cpu"),
-        help=f"where {where} runs: cpu, cuda or cuda:N; off the CPU every method but sps "
-        "drafts there (env LYANNA_DEVICE)",
-    )
-    parser.add_argument(
-        "--dtype",
-        type=checked(parse_dtype),
-        default=os.environ.get("LYANNA_DTYPE", "float32"),
-        help=f"the weights' and KV cache's dtype: {', '.join(DTYPES)}; bf16 on a GPU; the 4-bit "
-        "--weights need float32 on the CPU (auto picks dense elsewhere) (env LYANNA_DTYPE)",
-    )
-
-
-def placement(args: argparse.Namespace):
-    """The parsed ``(device, dtype)`` of ``args``: a CUDA device must be usable here, and
-    the weight format must run there (``ValueError`` otherwise)."""
-    from lyanna.model.device import parse_placement
-
-    return parse_placement(args.device, args.dtype, args.weights)
 
 
 def _add_env_int(parser: argparse.ArgumentParser, flag: str, default: int, help: str) -> None:

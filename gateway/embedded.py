@@ -110,6 +110,8 @@ class _Stop:
 class EmbeddedBackend:
     """``GenerationBackend`` running every method in-process (see the module docstring)."""
 
+    supports_logprobs = True  # the target's rows are in this process (chat logprobs)
+
     def __init__(
         self,
         model: Transformer,
@@ -345,6 +347,7 @@ class EmbeddedBackend:
                     finish_reason=item.sequence.finish_reason,
                     step=step,
                     prompt_tokens=len(item.sequence.prompt_ids) if step is None else 0,
+                    logprobs=item.logprobs,
                 ),
             )
             if item.sequence.finished:

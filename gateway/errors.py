@@ -3,7 +3,9 @@ failure (validation, unknown routes, backend busy or down) into
 ``{"error": {"message", "type", "param", "code"}}`` with the right status.
 
 FastAPI answers invalid bodies with 422; OpenAI clients expect 400, so validation errors
-(malformed JSON included) are rewritten here, naming the offending field in ``param``.
+(malformed JSON included) are rewritten here, naming the offending field in ``param`` (an
+unknown field is "Unrecognized request argument supplied", as OpenAI words it). Every 429
+carries ``Retry-After`` (seconds), the busy backend's included.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway.backend import BackendBusy, BackendUnavailable
 
 logger = logging.getLogger(__name__)
+BUSY_RETRY_AFTER_SECONDS = 1  # a full queue drains within a few steps; clients back off
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -82,6 +85,10 @@ async def _on_validation(request: Request, exc: RequestValidationError) -> JSONR
     if first.get("type") == "json_invalid":
         return error_response(400, f"malformed JSON body: {first.get('msg')}", None, "json_invalid")
     param = _validation_param(tuple(first.get("loc", ())))
+    if first.get("type") == "extra_forbidden":
+        return error_response(
+            400, f"Unrecognized request argument supplied: {param}", param, "unsupported_parameter"
+        )
     message = f"{param}: {first['msg']}" if param else str(first["msg"])
     if first.get("type") == "missing" and not param:
         message = "request body is required"
@@ -100,7 +107,13 @@ async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
 
 
 async def _on_busy(request: Request, exc: BackendBusy) -> JSONResponse:
-    return error_response(429, str(exc) or "the waiting queue is full", None, "queue_full")
+    return error_response(
+        429,
+        str(exc) or "the waiting queue is full",
+        None,
+        "queue_full",
+        headers={"Retry-After": str(BUSY_RETRY_AFTER_SECONDS)},
+    )
 
 
 async def _on_unavailable(request: Request, exc: BackendUnavailable) -> JSONResponse:

@@ -37,6 +37,8 @@ class Generation:
         self.text, self.tracker = text, tracker
         self.finish_reason: str | None = None
         self._on_finish = on_finish  # called once with the tokens used (prompt + output)
+        self.logprobs: list = []  # TokenLogprob of each token consumed so far (when asked)
+        self.logprobs_sent = 0  # how many of them a stream chunk already carried
 
     async def texts(self) -> AsyncIterator[str]:
         """Text deltas until the request finishes; ``finish_reason`` is set at the end."""
@@ -45,6 +47,8 @@ class Generation:
             while True:
                 piece = self.text.push(delta.token_ids)
                 self.tracker.on_delta(delta, len(delta.token_ids))
+                if delta.logprobs:
+                    self.logprobs.extend(delta.logprobs)
                 if piece:
                     yield piece
                 if self.text.stopped or delta.finish_reason is not None:
@@ -71,6 +75,12 @@ class Generation:
         if self._on_finish is not None:
             on_finish, self._on_finish = self._on_finish, None
             on_finish(self.tracker.num_prompt_tokens + self.tracker.num_output_tokens)
+
+    def unsent_logprobs(self) -> list:
+        """The logprobs no stream chunk carried yet (marked sent)."""
+        fresh = self.logprobs[self.logprobs_sent :]
+        self.logprobs_sent = len(self.logprobs)
+        return fresh
 
     async def collect(self) -> str:
         return "".join([piece async for piece in self.texts()])

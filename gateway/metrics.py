@@ -28,6 +28,16 @@ from lyanna.stats import acceptance_length
 from services.metric_registry import GATEWAY
 
 MAX_POSITIONS = 32  # per-position series beyond this depth are folded into the last one
+NO_METHOD = "none"  # the method label of responses sent before a method was chosen
+PATHS = (  # the path label's values (bounded: any other path is "other")
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/health",
+    "/livez",
+    "/readyz",
+    "/metrics",
+)
 
 
 class GatewayMetrics:
@@ -56,6 +66,8 @@ class GatewayMetrics:
         self.prompt_tokens = built.counter("lyanna_prompt_tokens_total")
         self.generation_tokens = built.counter("lyanna_generation_tokens_total")
         self.requests = built.counter("lyanna_request_success_total")
+        self.rejected = built.counter("lyanna_request_rejected_total")
+        self.responses = built.counter("lyanna_http_responses_total")
 
     def labels(self, method: str) -> dict[str, str]:
         return {"method": method, "model": self.model, "service": self.service}
@@ -77,6 +89,18 @@ class GatewayMetrics:
             self.generation_tokens,
         ):
             metric.labels(**labels)
+        self.rejected.labels(**labels, reason="queue_full")
+
+    def response(self, path: str, status: int, method: str | None) -> None:
+        """One HTTP response (any status) on ``path``."""
+        if path not in PATHS:
+            path = "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+        labels = self.labels(method or NO_METHOD)
+        self.responses.labels(**labels, path=path, code=str(status)).inc()
+
+    def reject(self, reason: str, method: str | None = None) -> None:
+        """A request refused with a 429 (a refusal, not an error)."""
+        self.rejected.labels(**self.labels(method or NO_METHOD), reason=reason).inc()
 
     def record_step(self, step: StepFacts) -> None:
         """One verification of one request: a draft step when it verified a draft token,
@@ -150,6 +174,15 @@ class RequestTracker:
             self.last_delta_at = now
             self.num_output_tokens += num_sent_tokens
             m.generation_tokens.labels(**labels).inc(num_sent_tokens)
+
+    def reject(self, reason: str) -> None:
+        """The backend refused the request before its first token (a 429): it leaves the
+        waiting gauge and is counted as rejected, not as finished; idempotent."""
+        if self.finished:
+            return
+        self.finished = True
+        self.metrics.waiting.labels(**self.metrics.labels(self.method)).dec()
+        self.metrics.reject(reason, self.method)
 
     def finish(self, finish_reason: str) -> None:
         """The request ended (normally, by error or by the client leaving); idempotent."""

@@ -1,11 +1,14 @@
 """OpenAI request bodies (pydantic, strict types: a string where a number belongs is a 400,
 never a silent coercion) and the response / stream-chunk builders.
 
-Unknown fields are accepted and ignored, as OpenAI-compatible servers do; fields that would
-change the answer and that Lyanna does not implement (``n`` > 1, ``logprobs``, tools) are
-rejected by the routes with a clear message. ``lyanna_method`` picks the speculative method
-of one request (experiments); the usage block carries a ``lyanna`` extra with the method and
-the request's mean acceptance length.
+No field is accepted and ignored: an unknown field is a 400 naming it (as OpenAI answers
+"Unrecognized request argument"), and so is a known one Lyanna does not implement (tools,
+``response_format``, ``suffix``, ``n`` > 1, ``best_of`` > 1): a client asking for JSON mode
+or tool calls must not get free text with a 200. The logits processors (``presence_penalty``,
+``frequency_penalty``, ``logit_bias``, ``top_k``) and chat ``logprobs`` / ``top_logprobs``
+are implemented (``lyanna.sampling``). ``lyanna_method`` picks the speculative method of one
+request (experiments); the usage block carries a ``lyanna`` extra with the method and the
+request's mean acceptance length.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from lyanna.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
+
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class TextPart(_Body):
@@ -49,14 +54,19 @@ class _Generation(_Body):
     # null is accepted wherever OpenAI accepts it and means the default
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)  # None = 1.0
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)  # None = 1.0
-    # a 64-bit unsigned seed, as the services' wire format and torch's generator take it
-    seed: int | None = Field(default=None, ge=0, lt=2**64)
+    # OpenAI allows negative seeds: mapped to the 64-bit unsigned range (seed mod 2^64) that
+    # the services' wire format and torch's generator take
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(default=None, ge=1)  # None = 1
-    logprobs: bool | int | None = None
-    user: str | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    # token id (a decimal string, as JSON keys are) -> bias; ids checked against the vocab
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    top_k: int | None = Field(default=None, ge=-1)  # vLLM's extension; -1 / 0 = off
+    user: str | None = None  # the end user's id (abuse monitoring); never changes the answer
     lyanna_method: str | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -69,9 +79,31 @@ class _Generation(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+# Known OpenAI fields Lyanna does not implement: typed here so the schema names them, and
+# answered 400 by the intake unless they hold their no-op value (null, or the listed one).
+UNSUPPORTED_NO_OP = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "response_format": (None, {"type": "text"}),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+}
+
+
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    functions: list[dict] | None = None
+    function_call: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -81,6 +113,9 @@ class CompletionRequest(_Generation):
     prompt: str | list[int]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
     echo: bool | None = False
+    logprobs: int | None = Field(default=None, ge=0, le=5)  # refused: chat has logprobs
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -99,7 +134,14 @@ def usage(prompt_tokens: int, completion_tokens: int, spec: dict) -> dict:
     }
 
 
-def chat_response(rid: str, model: str, text: str, finish_reason: str, usage_: dict) -> dict:
+def chat_response(
+    rid: str,
+    model: str,
+    text: str,
+    finish_reason: str,
+    usage_: dict,
+    logprobs: dict | None = None,
+) -> dict:
     return {
         "id": rid,
         "object": "chat.completion",
@@ -109,7 +151,7 @@ def chat_response(rid: str, model: str, text: str, finish_reason: str, usage_: d
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
         ],
@@ -124,6 +166,7 @@ def chat_chunk(
     finish_reason: str | None = None,
     usage_: dict | None = None,
     with_usage_field: bool = False,
+    logprobs: dict | None = None,
 ) -> dict:
     """One ``chat.completion.chunk``; ``delta=None`` is the usage-only chunk (no choices)."""
     chunk: dict = {
@@ -133,11 +176,28 @@ def chat_chunk(
         "model": model,
         "choices": []
         if delta is None
-        else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
     if with_usage_field or usage_ is not None:
         chunk["usage"] = usage_
     return chunk
+
+
+def chat_logprobs(entries: list, token_text) -> dict:
+    """OpenAI's chat ``logprobs`` object from ``lyanna.sampling.TokenLogprob`` entries;
+    ``token_text`` decodes one token id."""
+
+    def one(token: int, logprob: float) -> dict:
+        text = token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+            for e in entries
+        ],
+        "refusal": None,
+    }
 
 
 def completion_response(

@@ -1,9 +1,18 @@
 """Sampling parameters and the logits -> probabilities map shared by decoding and verification.
 
-Every acceptance rule compares a target distribution with a draft distribution; both must pass
-through exactly the same processing (temperature, top-p), so this module is the only place
-that processing lives. Temperature 0 means greedy: the distribution is a one-hot on the argmax
-(lowest index wins ties, like ``torch.argmax``).
+Every acceptance rule compares a target distribution with a draft distribution; this module
+is the only place the target's processing lives. Temperature 0 means greedy: the
+distribution is a one-hot on the argmax (lowest index wins ties, like ``torch.argmax``).
+
+Logits processors (OpenAI / vLLM semantics, applied in this order before temperature and
+top-p): ``frequency_penalty * count + presence_penalty * (count > 0)`` subtracted per token,
+where ``count`` is how often the token occurs in the *output* so far (vLLM's convention: the
+prompt does not count); ``logit_bias`` added; ``top_k`` keeps the k largest processed logits
+(ties at the k-th value kept). The target's distribution *is* the processed one: speculation
+is lossless with respect to it because the verifier processes every tree row with that row's
+own output history (committed output + the node's ancestors, ``path_counts``). Drafts stay
+proposals: every acceptance rule is lossless for whatever distribution a draft was really
+drawn from, so the drafters need not apply the processors.
 """
 
 from __future__ import annotations
@@ -13,6 +22,15 @@ from dataclasses import dataclass, field
 import torch
 
 MAX_STOP_STRINGS = 8
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI
+MAX_TOP_LOGPROBS = 20
+SEED_RANGE = 2**64  # the wire's uint64 and torch's generator
+
+
+def unsigned_seed(seed: int) -> int:
+    """A seed in [0, 2^64): negative seeds (OpenAI allows them) map deterministically by
+    two's complement, ``seed mod 2^64``, so -1 and 2^64 - 1 give the same stream."""
+    return seed % SEED_RANGE
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +43,11 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]), sorted
+    top_k: int = 0  # 0 = every token
+    logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= 100.0:
@@ -37,8 +60,38 @@ class SamplingParams:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
-        if self.seed is not None and not 0 <= self.seed < 2**64:
+        if self.seed is not None and not 0 <= self.seed < SEED_RANGE:
             raise ValueError(f"seed must be in [0, 2^64), got {self.seed}")  # the wire's uint64
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:  # NaN fails too
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has at most {MAX_LOGIT_BIAS} entries")
+        ids = [token for token, _ in self.logit_bias]
+        if any(t < 0 for t in ids) or len(set(ids)) != len(ids):
+            raise ValueError("logit_bias token ids must be distinct and >= 0")
+        if any(not -100.0 <= bias <= 100.0 for _, bias in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+
+    @property
+    def penalized(self) -> bool:
+        """The processors read the output history (presence / frequency penalties)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def processed(self) -> bool:
+        """Any logits processor is on (the plain path skips them all)."""
+        return self.penalized or bool(self.logit_bias) or self.top_k > 0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise unless every ``logit_bias`` token id is in the vocabulary."""
+        if any(token >= vocab_size for token, _ in self.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
 
     @property
     def greedy(self) -> bool:
@@ -190,12 +243,98 @@ def argmax_rows(rows: torch.Tensor) -> list[int]:
     return rows.argmax(dim=-1).tolist()
 
 
+def process_logits(
+    logits: torch.Tensor,  # [n, vocab]
+    params: SamplingParams,
+    counts: torch.Tensor | None = None,  # [n, vocab] or [vocab]: output occurrences per row
+) -> torch.Tensor:  # [n, vocab] float32 (a new tensor; the input is never changed)
+    """The request's logits processors (penalties, bias, top-k; see the module docstring).
+    ``counts`` is required when penalties are on: a missing history is an error, never a
+    silently unpenalised row."""
+    out = logits.float().clone()
+    if params.penalized:
+        if counts is None:
+            raise ValueError("presence / frequency penalties need the output token counts")
+        counts = counts.to(out.device, torch.float32)
+        if params.frequency_penalty:
+            out -= params.frequency_penalty * counts
+        if params.presence_penalty:
+            out -= params.presence_penalty * (counts > 0).float()
+    if params.logit_bias:
+        params.check_vocab(out.shape[-1])
+        ids = torch.tensor([t for t, _ in params.logit_bias], device=out.device)
+        bias = torch.tensor([b for _, b in params.logit_bias], device=out.device)
+        out[..., ids] += bias
+    if 0 < params.top_k < out.shape[-1]:
+        kth = out.topk(params.top_k, dim=-1).values[..., -1:]
+        out.masked_fill_(out < kth, float("-inf"))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One output token's log-probability and the ``top`` most likely alternatives, under the
+    model's own distribution (log-softmax of the raw logits, before processors and
+    temperature: vLLM's default ``raw_logprobs``)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(
+    logits: torch.Tensor,  # [n, vocab]: the rows the tokens were chosen from
+    tokens: list[int],  # n tokens
+    top: int,
+) -> list[TokenLogprob]:
+    logp = torch.log_softmax(logits.float(), dim=-1).cpu()
+    chosen = logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+    if top > 0:
+        best = logp.topk(top, dim=-1)
+        alts = [
+            tuple(zip(ids, values, strict=True))
+            for ids, values in zip(best.indices.tolist(), best.values.tolist(), strict=True)
+        ]
+    else:
+        alts = [()] * len(tokens)
+    return [TokenLogprob(t, lp, alt) for t, lp, alt in zip(tokens, chosen, alts, strict=True)]
+
+
+def token_counts(tokens: list[int], vocab_size: int) -> torch.Tensor:  # [vocab] float32
+    """How often each token occurs in ``tokens`` (an output history)."""
+    counts = torch.zeros(vocab_size)
+    if tokens:
+        counts.index_add_(0, torch.tensor(tokens), torch.ones(len(tokens)))
+    return counts
+
+
+def path_counts(
+    base: torch.Tensor,  # [vocab]: the committed output's counts
+    tokens: list[int],  # the tree's tokens, root first
+    paths: list[list[int]],  # per node, its path from the root (root and itself included)
+) -> torch.Tensor:  # [num_nodes, vocab]
+    """Per tree node, the output history its row continues: the committed output plus every
+    token on the node's own path (the root, the next token, included). Sibling branches never
+    see each other's tokens."""
+    counts = base.expand(len(paths), -1).clone()
+    rows = [i for i, path in enumerate(paths) for _ in path]
+    cols = [tokens[j] for path in paths for j in path]
+    counts.index_put_(
+        (torch.tensor(rows), torch.tensor(cols)), torch.ones(len(rows)), accumulate=True
+    )
+    return counts
+
+
 def greedy_or_sample(
     logits: torch.Tensor,  # [n, vocab]
     params: SamplingParams,
     generator: torch.Generator | None,
+    counts: torch.Tensor | None = None,  # [vocab]: the output so far (penalties need it)
 ) -> torch.Tensor:  # [n] int64
-    """The plain decoder's choice of next token for each row."""
+    """The plain decoder's choice of next token for each row, after the request's logits
+    processors."""
+    if params.processed:
+        logits = process_logits(logits, params, counts)
     if params.greedy:
         return logits.argmax(dim=-1)
     return sample(logits_to_probs(logits, params.temperature, params.top_p), generator)

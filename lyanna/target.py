@@ -17,7 +17,16 @@ import torch
 
 from lyanna.decode import prefill as prefill_prompt
 from lyanna.model.transformer import Transformer
-from lyanna.sampling import SamplingParams, greedy_or_sample, logits_to_probs
+from lyanna.sampling import (
+    SamplingParams,
+    TokenLogprob,
+    greedy_or_sample,
+    logits_to_probs,
+    path_counts,
+    process_logits,
+    token_counts,
+    token_logprobs,
+)
 from lyanna.tree import TokenTree, pack_trees
 from lyanna.verify import AcceptanceRule, Verdict, choose_rule, sampling_rule
 
@@ -49,6 +58,7 @@ class Prefilled:
     first_token: int  # the first output token: root of the first tree
     hidden: torch.Tensor  # [prompt_len, hidden] final hidden states of the prompt
     num_committed: int  # tokens in the target KV (the prompt)
+    logprobs: list[TokenLogprob] | None = None  # the first token's, when params.logprobs is set
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -57,6 +67,7 @@ class Verified:
     committed: list[int]  # tokens that entered the KV this step: old root + accepted drafts
     hidden: torch.Tensor | None  # [len(committed), hidden] their final hidden states
     num_committed: int  # tokens in the target KV after the commit
+    logprobs: list[TokenLogprob] | None = None  # one per verdict token (params.logprobs set)
 
 
 @dataclass(slots=True, eq=False)
@@ -65,6 +76,7 @@ class _TargetSeq:
     params: SamplingParams
     generator: torch.Generator | None
     next_token: int
+    counts: torch.Tensor | None = None  # [vocab] the committed output's tokens (penalties)
 
 
 class TargetRunner:
@@ -119,6 +131,13 @@ class TargetRunner:
         if not 0 <= prompt_len <= len(prompt_ids):
             raise ValueError(f"prompt_len {prompt_len} is outside the {len(prompt_ids)} tokens")
         split = prompt_len or len(prompt_ids)
+        vocab = self.model.config.vocab_size
+        try:
+            params.check_vocab(vocab)
+        except ValueError as error:
+            raise ValueError(f"invalid sampling parameters: {error}") from None
+        # the output so far: the decoded tokens a resumed sequence re-runs (none when fresh)
+        counts = token_counts(prompt_ids[split:], vocab) if params.penalized else None
         slot = self.cache.allocate()
         try:
             hidden = prefill_prompt(  # [P, hidden]
@@ -127,12 +146,16 @@ class TargetRunner:
         except Exception:
             self.cache.release(slot)
             raise
+        logprobs = None
         if next_token is None:
-            first = int(greedy_or_sample(self.model.logits(hidden[-1:]), params, generator))
+            last = self.model.logits(hidden[-1:])
+            first = int(greedy_or_sample(last, params, generator, counts))
+            if params.logprobs is not None:
+                logprobs = token_logprobs(last, [first], params.logprobs)
         else:
             first = next_token
-        self._seqs[seq_id] = _TargetSeq(slot, params, generator, first)
-        return Prefilled(first, hidden, len(prompt_ids))
+        self._seqs[seq_id] = _TargetSeq(slot, params, generator, first, counts)
+        return Prefilled(first, hidden, len(prompt_ids), logprobs)
 
     def verify(
         self,
@@ -163,19 +186,27 @@ class TargetRunner:
         results = []
         for index, (state, tree, rule) in enumerate(zip(states, trees, rules, strict=True)):
             row = row_of[index]
-            rows = logits[row, : tree.num_nodes]  # [num_nodes, vocab]
+            raw = logits[row, : tree.num_nodes]  # [num_nodes, vocab]
+            rows = self._processed(state, tree, raw)
             if not state.params.greedy:  # the sampling rules draw on CPU generators and
                 # meet the trees' CPU draft rows: a GPU model's rows go to the CPU first
                 rows = logits_to_probs(rows.cpu(), state.params.temperature, state.params.top_p)
             verdict = rule(tree, rows, state.generator)
             self.cache.commit(state.slot, verdict.path)
             state.next_token = verdict.tokens[-1]
+            committed = [tree.token_list[i] for i in verdict.path]
+            if state.counts is not None:
+                state.counts.index_add_(0, torch.tensor(committed), torch.ones(len(committed)))
+            logprobs = None
+            if state.params.logprobs is not None:
+                logprobs = token_logprobs(raw[verdict.path], verdict.tokens, state.params.logprobs)
             results.append(
                 Verified(
                     verdict=verdict,
-                    committed=[tree.token_list[i] for i in verdict.path],
+                    committed=committed,
                     hidden=hidden[row, verdict.path] if return_hidden else None,
                     num_committed=int(self.cache.lengths[state.slot]),
+                    logprobs=logprobs,
                 )
             )
         self.rule_seconds += time.perf_counter() - rules_start
@@ -188,6 +219,20 @@ class TargetRunner:
             return False
         self.cache.release(state.slot)
         return True
+
+    @staticmethod
+    def _processed(state: _TargetSeq, tree: TokenTree, raw: torch.Tensor) -> torch.Tensor:
+        """The tree's rows after the request's logits processors, each node with its own
+        output history (committed output + its path: root and ancestors); the raw rows when
+        none is on. This is the distribution speculation is lossless against."""
+        params = state.params
+        if not params.processed:
+            return raw
+        counts = None
+        if state.counts is not None:
+            paths = [tree.path_to(i) for i in range(tree.num_nodes)]
+            counts = path_counts(state.counts, tree.token_list, paths)
+        return process_logits(raw, params, counts)
 
     def _rule(self, params: SamplingParams, tree: TokenTree) -> AcceptanceRule:
         """Greedy at temperature 0, else the configured rule (refused with `LossyRuleError`

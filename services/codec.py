@@ -153,7 +153,13 @@ def decode_tree(
 
 def encode_params(params: SamplingParams) -> common_pb2.SamplingParams:
     message = common_pb2.SamplingParams(
-        temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens
+        temperature=params.temperature,
+        top_p=params.top_p,
+        max_tokens=params.max_tokens,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        logit_bias=dict(params.logit_bias),
+        top_k=params.top_k,
     )
     if params.seed is not None:
         message.seed = params.seed
@@ -168,6 +174,10 @@ def decode_params(message: common_pb2.SamplingParams) -> SamplingParams:
             top_p=message.top_p or 1.0,
             max_tokens=message.max_tokens or 1,
             seed=message.seed if message.HasField("seed") else None,
+            presence_penalty=message.presence_penalty,
+            frequency_penalty=message.frequency_penalty,
+            logit_bias=tuple(sorted(message.logit_bias.items())),
+            top_k=message.top_k,
         )
     except ValueError as error:
         raise WireError(f"invalid sampling parameters: {error}") from None

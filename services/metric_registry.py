@@ -210,8 +210,27 @@ GATEWAY = Process(
         _gateway(
             "lyanna_request_success_total",
             COUNTER,
-            "Finished requests by finish reason (stop, length, abort, error), as vLLM's.",
+            "Finished requests by finish reason (stop, length, abort, error), as vLLM's. "
+            "Requests refused with a 429 are not here (lyanna_request_rejected_total).",
             "finish_reason",
+        ),
+        _gateway(
+            "lyanna_request_rejected_total",
+            COUNTER,
+            "Requests refused with a 429 by reason: queue_full (the backend is busy: full "
+            "waiting queue or no slot in time), too_many_requests (a key's requests in "
+            "flight), rate_limit_exceeded (a key's tokens per minute). method is none where "
+            "the refusal came before the request was read.",
+            "reason",
+        ),
+        _gateway(
+            "lyanna_http_responses_total",
+            COUNTER,
+            "HTTP responses by path (the routes; other for any unknown path) and status code, "
+            "4xx and 5xx included. method is none where no method was chosen (the request "
+            "was refused before its intake, or is not a generation).",
+            "path",
+            "code",
         ),
     ),
 )

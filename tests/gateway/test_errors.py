@@ -86,8 +86,8 @@ def test_wrong_types_and_ranges_are_400(http, overrides, param) -> None:
         ({"lyanna_method": "telepathy"}, "lyanna_method"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"stop": "x" * 200}, "stop"),
-        ({"logprobs": True}, "logprobs"),
-        ({"seed": -1}, "seed"),  # once a 503 for every request prefilled with it
+        ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+        ({"seed": -(2**63) - 1}, "seed"),  # negative seeds map to [0, 2^64); int64 is the bound
         ({"seed": 2**64}, "seed"),
     ],
 )
@@ -190,6 +190,8 @@ def test_busy_is_429_and_down_is_503(default_tokenizer, error, status, client_er
         for stream in (False, True):
             response = httpx.post(server.url + CHAT, json=chat_body(stream=stream))
             assert_error(response, status)
+            if status == 429:  # every 429 says when to come back
+                assert response.headers["Retry-After"] == "1"
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
         with pytest.raises(client_error):
             client.chat.completions.create(
