@@ -189,6 +189,23 @@ def _add_serve(sub) -> None:
         "batch drafts (fewer round trips; tokens arrive in bursts of up to this many; 1 = one "
         "call per step)",
     )
+    serve.add_argument(
+        "--data-plane",
+        choices=("grpc", "gloo", "nccl"),
+        default=os.environ.get("LYANNA_DATA_PLANE", "grpc"),
+        help="services mode: how hidden states travel from the verifier to the drafter: grpc "
+        "(inline in the replies), gloo (torch.distributed, CPU) or nccl (GPU); the services "
+        "started here get it as --plane, services elsewhere must run with the same "
+        "(env LYANNA_DATA_PLANE)",
+    )
+    serve.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=float(os.environ.get("LYANNA_DRAIN_SECONDS", "60")),
+        help="on SIGTERM: /readyz turns 503 and new requests get 503 with Retry-After at once, "
+        "streams in flight may finish for up to this long; 0 = stop at once "
+        "(env LYANNA_DRAIN_SECONDS)",
+    )
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_cmd_serve)
 

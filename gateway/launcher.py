@@ -7,8 +7,10 @@ SIGTERM, printing the URL and an example ``curl`` once the backend is ready.
   gateway -> drafter call, the drafter verifying through the verifier) and the gateway in
   this process with ``RemoteBackend`` (asynchronous pipeline); with ``--verifier-addr`` (and
   ``--drafter-addr``) it connects to services that already run (a cluster, the drafter
-  started with ``--verifier``) and starts nothing. When a local drafter cannot start with the
-  requested method (a missing checkpoint), the next of ``FALLBACK_METHODS`` is tried (logged).
+  started with ``--verifier``) and starts nothing. ``--data-plane gloo|nccl`` starts the
+  services with that ``--plane`` and has the drafter take hidden states over it. When a
+  local drafter cannot start with the requested method (a missing checkpoint), the next of
+  ``FALLBACK_METHODS`` is tried (logged).
 """
 
 from __future__ import annotations
@@ -73,6 +75,10 @@ def run_serve(args: argparse.Namespace) -> int:
     if config.mode == "embedded" or not args.verifier_addr:  # a model loads here, or in the
         # services started here: CUDA present, q4 only on CPU float32 - checked before it does
         placement(args)
+    if args.data_plane != "grpc" and config.mode != "services":
+        raise ValueError("--data-plane gloo/nccl needs --mode services")
+    if args.data_plane == "nccl" and not args.verifier_addr and args.device == "cpu":
+        raise ValueError("--data-plane nccl needs a CUDA --device (gloo on the CPU)")
     if config.mode == "embedded":  # the small batches' count (StepThreads) while the model
         import torch  # loads and measures its cost curve; larger batches take every core
 
@@ -99,7 +105,7 @@ def _serve_embedded(args: argparse.Namespace, config: GatewayConfig) -> None:
     device, dtype = placement(args)
     loaded = load(args.model, args.weights, device=device, dtype=dtype)
     holder["app"] = embedded_app(loaded, config, embedded, ready)
-    serve(holder["app"], config, args.log_level)
+    serve(holder["app"], config, args.log_level, drain_seconds=args.drain_seconds)
 
 
 def _serve_services(args: argparse.Namespace, config: GatewayConfig) -> None:
@@ -126,7 +132,11 @@ def _serve_services(args: argparse.Namespace, config: GatewayConfig) -> None:
     for method in dict.fromkeys((args.method, *FALLBACK_METHODS)):
         try:
             deployment = launch(
-                model_path, method=method, verifier_args=verifier_args, drafter_args=drafter_args
+                model_path,
+                method=method,
+                verifier_args=verifier_args,
+                drafter_args=drafter_args,
+                plane=args.data_plane,
             )
         except LaunchError as err:
             logger.warning("the drafter service cannot start with %r: %s", method, err)
@@ -174,6 +184,9 @@ def _serve_remote(
         queue_timeout=args.queue_timeout,
         draft_deadline=args.draft_deadline,
         max_steps_per_call=args.max_steps_per_call,
+        # the drafter asks the verifier for hidden rows over the plane (both services run
+        # with --plane); the gateway's own calls stay inline
+        use_data_plane=args.data_plane != "grpc" and drafter_addr is not None,
         tls=config.services_tls(),
     )
     backend = RemoteBackend(remote, eos, make_detokenize(tokenizer))
@@ -182,7 +195,8 @@ def _serve_remote(
         print(banner(config, backend.default_method), flush=True)
         print(f"verifier {verifier_addr}, drafter {drafter_addr or 'none'}", flush=True)
 
-    serve(create_app(backend, tokenizer, config, ready), config, args.log_level)
+    app = create_app(backend, tokenizer, config, ready)
+    serve(app, config, args.log_level, drain_seconds=args.drain_seconds)
 
 
 SERVE_MODES: Mapping[str, Callable[[argparse.Namespace, GatewayConfig], None]] = MappingProxyType(

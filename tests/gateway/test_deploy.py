@@ -376,7 +376,15 @@ def test_configmap_is_valid_for_every_process() -> None:
     for role, server in (("verifier", verifier_server), ("drafter", drafter_server)):
         container = pod_of(docs[("Deployment", f"lyanna-{role}")])["containers"][0]
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        assert ports == {"grpc": server.port, "metrics": server.metrics_port}
+        expected = {"grpc": server.port, "metrics": server.metrics_port}
+        if role == "verifier":  # rank 0 of the data plane listens for the drafter
+            expected["plane"] = int(server.plane_addr.rsplit(":", 1)[1])
+        assert ports == expected
+    plane_port = int(verifier_server.plane_addr.rsplit(":", 1)[1])
+    assert drafter_server.plane_addr == f"lyanna-verifier:{plane_port}"
+    assert {"name": "plane", "port": plane_port, "targetPort": "plane"} in (
+        services["lyanna-verifier"]["spec"]["ports"]
+    )
 
 
 def registered_samples() -> set[str]:
