@@ -174,6 +174,20 @@ def _add_serve(sub) -> None:
         "it answers again (env LYANNA_DRAFT_DEADLINE)",
     )
     serve.add_argument(
+        "--verify-deadline",
+        type=float,
+        default=float(os.environ.get("LYANNA_VERIFY_DEADLINE", "60")),
+        help="services mode: seconds a Verify may take; past it the sequences wait and are "
+        "re-prefilled from the gateway's history (env LYANNA_VERIFY_DEADLINE)",
+    )
+    serve.add_argument(
+        "--control-deadline",
+        type=float,
+        default=float(os.environ.get("LYANNA_CONTROL_DEADLINE", "10")),
+        help="services mode: seconds a Start, Release, Capacity or Info call may take "
+        "(env LYANNA_CONTROL_DEADLINE)",
+    )
+    serve.add_argument(
         "--pipeline",
         action=argparse.BooleanOptionalAction,
         default=None,

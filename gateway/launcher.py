@@ -183,6 +183,8 @@ def _serve_remote(
         max_waiting=args.max_waiting,
         queue_timeout=args.queue_timeout,
         draft_deadline=args.draft_deadline,
+        verify_deadline=args.verify_deadline,
+        control_deadline=args.control_deadline,
         max_steps_per_call=args.max_steps_per_call,
         # the drafter asks the verifier for hidden rows over the plane (both services run
         # with --plane); the gateway's own calls stay inline

@@ -24,16 +24,47 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
+import torch
 
+from gateway.backend import GenerationRequest
 from gateway.remote import RemoteBackend, RemoteConfig
-from loadtests.faults import collect, greedy_references
 from loadtests.load import load_prompts
+from lyanna.decode import generate
 from lyanna.model.default import fetch_default_model
+from lyanna.model.loader import load_model
+from lyanna.sampling import SamplingParams
+from lyanna.sequence import Sequence
 from lyanna.tokenizer import chat_prompt_ids, load_tokenizer
 from services.launch import launch
 from services.pb import verifier_pb2
 
 WAVE_SECONDS = 300.0  # one wave of concurrent requests can take no longer
+
+
+async def collect(backend: RemoteBackend, prompt: list[int], max_tokens: int, stop_after=None):
+    """One greedy request's tokens through the backend (in process), and the error the client
+    saw; ``stop_after`` tokens, then the client walks away."""
+    tokens, error = [], None
+    stream = backend.generate(GenerationRequest("s", prompt, SamplingParams(max_tokens=max_tokens)))
+    try:
+        async for delta in stream:
+            tokens += delta.token_ids
+            if stop_after is not None and len(tokens) >= stop_after:
+                await stream.aclose()
+                break
+    except Exception as err:  # counted: what the client saw
+        error = type(err).__name__
+    return tokens, error
+
+
+def greedy_references(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Plain greedy answers on the weights the verifier loads, with its numerics (one thread):
+    what every answer must equal."""
+    torch.set_num_threads(1)
+    model = load_model(model_dir, weights="auto")
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=max_tokens)) for i, p in enumerate(prompts)]
+    generate(model, seqs)
+    return [s.output_ids for s in seqs]
 
 
 @dataclass(slots=True)
