@@ -193,9 +193,12 @@ def create_app(
     async def lifespan(app: FastAPI):
         await backend.start()
         metrics.prime(backend.default_method)
+        exporter = metrics.serve(config.host, config.metrics_port)  # None: on the API port
         if on_ready is not None:
             on_ready()
         yield
+        if exporter is not None:
+            exporter.shutdown()
         await backend.stop()
 
     hidden = {} if config.openapi else {"docs_url": None, "redoc_url": None, "openapi_url": None}
@@ -386,6 +389,8 @@ def create_app(
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
+        if config.metrics_port >= 0:  # exported on its own port (LYANNA_METRICS_PORT)
+            raise HTTPException(404, "Not Found")
         content, content_type = metrics.exposition()
         return Response(content, media_type=content_type)
 

@@ -24,6 +24,7 @@ class GatewayConfig:
     api_keys_file: str = ""  # one key per line, reloaded when it changes (gateway.auth)
     metrics_need_key: bool = False  # also require a key on GET /metrics
     openapi: bool = False  # serve /docs, /redoc and /openapi.json (off: the API is not mapped)
+    metrics_port: int = -1  # >= 0: /metrics on this port of its own, none on the API port
     max_streams_per_key: int = 0  # requests in flight per key (then 429); 0 = unbounded
     max_tokens_per_minute_per_key: int = 0  # prompt + output tokens per key per minute
     max_body_bytes: int = 1 << 20

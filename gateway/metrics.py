@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest, start_http_server
 
 from gateway.backend import StepFacts, TokenDelta
 from lyanna.stats import acceptance_length
@@ -122,6 +122,15 @@ class GatewayMetrics:
         self.verify_latency.labels(**labels).observe(step.verify_seconds)
         if step.drafter_fallback:
             self.drafter_fallbacks.labels(**labels).inc()
+
+    def serve(self, host: str, port: int):
+        """Export on a port of its own when ``port >= 0`` (0: a free one), the way the
+        services do, so a NetworkPolicy can keep it to Prometheus: the HTTP server (its
+        ``server_port``; ``shutdown()`` stops it), or None."""
+        if port < 0:
+            return None
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return server
 
     def exposition(self) -> tuple[bytes, str]:
         """The text exposition format and its content type."""

@@ -628,3 +628,142 @@ def test_the_deploy_docs_name_only_what_exists(doc: Path) -> None:
         assert (KUBECTL_KINDS[kind], name) in objects, (kind, name)
     for name in re.findall(r"app\.kubernetes\.io/name=(lyanna-[\w-]+)", text):
         assert ("Deployment", name) in objects, name
+
+
+GPU_POOLS = ("a800", "h800")
+TLS_DIR = "/etc/lyanna/tls"
+TLS_FILES = {f"{TLS_DIR}/{name}" for name in ("ca.crt", "tls.crt", "tls.key")}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_gpu_pools_require_the_api_key_secret(overlay: str) -> None:
+    """A GPU pool's gateway does not start without lyanna-api-keys (no silent fallback to no
+    authentication); kind or a laptop (cpu) may run without it."""
+    gateway = pod_of(documents(overlay)[("Deployment", "lyanna-gateway")])["containers"][0]
+    (keys,) = [e for e in gateway["env"] if e["name"] == "LYANNA_API_KEYS"]
+    ref = keys["valueFrom"]["secretKeyRef"]
+    assert (ref["name"], ref["key"]) == ("lyanna-api-keys", "keys")
+    assert ref.get("optional", False) is (overlay == "cpu")
+
+
+def admitted(docs: dict, pod_labels: dict, port: int) -> list[dict]:
+    """The ``from`` peers of every NetworkPolicy ingress rule that admits ``port`` of a pod
+    with ``pod_labels`` (``{}``: from anywhere)."""
+    peers = []
+    for (kind, _), policy in docs.items():
+        if kind != "NetworkPolicy" or not selects(policy["spec"]["podSelector"], pod_labels):
+            continue
+        for rule in policy["spec"].get("ingress", []):
+            if "ports" in rule and port not in {p["port"] for p in rule["ports"]}:
+                continue
+            peers.extend(rule.get("from", [{}]))
+    return peers
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    match = selector.get("matchLabels", {}).items() <= labels.items()
+    for expression in selector.get("matchExpressions", []):
+        assert expression["operator"] == "In"
+        match &= labels.get(expression["key"]) in expression["values"]
+    return match
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_metrics_are_reachable_from_the_monitoring_namespace_only(overlay: str) -> None:
+    """Every process's metrics port admits the monitoring namespace and, for the services,
+    their peer (the data plane needs every port between them); the gateway's API port, open
+    to clients, serves no /metrics (LYANNA_METRICS_PORT moves it to the metrics port)."""
+    docs = documents(overlay)
+    monitoring = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+    }
+    peer = {
+        "podSelector": {
+            "matchExpressions": [
+                {
+                    "key": "app.kubernetes.io/component",
+                    "operator": "In",
+                    "values": ["verifier", "drafter"],
+                }
+            ]
+        }
+    }
+    for role in ("gateway", "verifier", "drafter"):
+        template = docs[("Deployment", f"lyanna-{role}")]["spec"]["template"]
+        container = template["spec"]["containers"][0]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        peers = admitted(docs, template["metadata"]["labels"], ports["metrics"])
+        allowed = [monitoring] if role == "gateway" else [monitoring, peer]
+        assert peers and all(p in allowed for p in peers), (role, peers)
+        assert monitoring in peers, role
+    env = docs[("ConfigMap", "lyanna-config")]["data"]
+    gateway = GatewayConfig.from_env(env, mode="services")
+    container = pod_of(docs[("Deployment", "lyanna-gateway")])["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert gateway.metrics_port == ports["metrics"] != ports["http"] == gateway.port
+    assert admitted(docs, {"app.kubernetes.io/component": "gateway"}, ports["http"]) == [{}]
+    monitor = docs[("ServiceMonitor", "lyanna-gateway")]
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics"]
+
+
+def mounted_tls(pod: dict, container: dict) -> bool:
+    secrets = {
+        v["name"]: v["secret"]["secretName"] for v in pod.get("volumes", []) if "secret" in v
+    }
+    return any(
+        m["mountPath"] == TLS_DIR and secrets.get(m["name"]) == "lyanna-tls"
+        for m in container.get("volumeMounts", [])
+    )
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_mutual_tls_is_wired_in_the_gpu_pools(overlay: str) -> None:
+    """GPU pools: the certificate Secret lyanna-tls mounted in the three pods; the services
+    serve mutual TLS, the drafter and the gateway present the client certificate (settings
+    each process accepts); the services' probes are exec probes speaking mutual TLS to the
+    health services the plaintext gRPC probes ask (cpu keeps those)."""
+    from services.probe import build_parser
+
+    docs, plain = documents(overlay), documents("cpu")
+    env = docs[("ConfigMap", "lyanna-config")]["data"]
+    tls_settings = {k: v for k, v in env.items() if "_TLS_" in k or "_VERIFIER_C" in k}
+    tls_settings |= {k: v for k, v in env.items() if k.startswith("LYANNA_DRAFTER_VERIFIER_")}
+    tls_settings.pop("LYANNA_DRAFTER_VERIFIER", None)  # the address
+    if overlay == "cpu":
+        assert not tls_settings
+        assert GatewayConfig.from_env(env, mode="services").services_tls() is None
+    else:
+        assert set(tls_settings.values()) == TLS_FILES, tls_settings
+        verifier_server, _ = parse_configs(
+            (ServerConfig, VerifierConfig), [], "LYANNA_VERIFIER_", env=env
+        )
+        drafter_server, drafter = parse_configs(
+            (ServerConfig, DrafterConfig), [], "LYANNA_DRAFTER_", env=env
+        )
+        for server in (verifier_server, drafter_server):  # mutual TLS: a client CA
+            assert (server.tls_cert, server.tls_key) == (f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key")
+            assert server.tls_client_ca == f"{TLS_DIR}/ca.crt"
+        client = drafter.verifier_tls()
+        assert client is not None and client.cert == f"{TLS_DIR}/tls.crt"
+        gateway_tls = GatewayConfig.from_env(env, mode="services").services_tls()
+        assert gateway_tls is not None and gateway_tls.key == f"{TLS_DIR}/tls.key"
+    for role, port in (("gateway", None), ("verifier", 50051), ("drafter", 50052)):
+        pod = pod_of(docs[("Deployment", f"lyanna-{role}")])
+        container = pod["containers"][0]
+        assert mounted_tls(pod, container) is (overlay != "cpu"), (overlay, role)
+        if port is None:
+            continue
+        base = pod_of(plain[("Deployment", f"lyanna-{role}")])["containers"][0]
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = container[kind]
+            if overlay == "cpu":
+                assert "grpc" in probe and "exec" not in probe
+                continue
+            assert "grpc" not in probe, (role, kind)
+            command = probe["exec"]["command"]
+            assert command[:3] == ["python", "-m", "services.probe"], command
+            args = build_parser().parse_args(command[3:])
+            assert args.addr == f"127.0.0.1:{port}" and args.server_name == f"lyanna-{role}"
+            assert {args.ca, args.cert, args.key} == TLS_FILES
+            assert args.service == base[kind]["grpc"].get("service", ""), (role, kind)
+            assert probe["timeoutSeconds"] > args.timeout
