@@ -49,3 +49,18 @@ def test_metrics_on_a_port_of_their_own(default_tokenizer) -> None:
     )
     with TestClient(default) as client:  # by default on the API port, as before
         assert "lyanna_spec_draft_steps_total" in client.get("/metrics").text
+
+
+def test_the_metrics_port_needs_no_key_when_the_api_port_would(default_tokenizer) -> None:
+    """``LYANNA_METRICS_NEED_KEY=1`` guards ``/metrics`` on the API port; Prometheus scrapes
+    the metrics port (its ServiceMonitor sends no key), which the NetworkPolicy guards."""
+    port = free_port()
+    config = GatewayConfig(
+        model_name=MODEL_NAME, api_keys=("k1",), metrics_need_key=True, metrics_port=port
+    )
+    app = create_app(RefusingBackend(RuntimeError("unused")), default_tokenizer, config)
+    with TestClient(app) as client:
+        assert client.get("/metrics").status_code == 401  # the API port: a key, then 404
+        assert client.get("/metrics", headers={"Authorization": "Bearer k1"}).status_code == 404
+        scraped = httpx.get(f"http://{config.host}:{port}/metrics", timeout=10)
+        assert scraped.status_code == 200 and "lyanna_" in scraped.text
