@@ -39,7 +39,7 @@ from services.launch import free_port, launch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIO = ROOT / "loadtests" / "scenarios" / "chat.jsonl"
 PANELS = (  # (dashboard panel, how its y axis reads)
-    ("Acceptance length per method", "tokens per verification"),
+    ("Acceptance length per method", "tokens per draft"),
     ("Tokens/s", "tokens/s"),
     ("Time to first token", "seconds"),
     ("Inter-token latency", "seconds"),
