@@ -35,6 +35,7 @@ from gateway.backend import (
 from gateway.handover import settle
 from lyanna.drafters import (
     DRAFTERS,
+    TARGET_ONLY,
     TREE_MODES,
     DraftBudget,
     DraftCapacity,
@@ -51,14 +52,13 @@ from lyanna.threads import StepThreads, available_cpus
 
 logger = logging.getLogger(__name__)
 
-TARGET_ONLY = "ar"  # plain decoding: always served, by the engine's own NoDrafter
 METHOD_BUILD_ERRORS = (OSError, ValueError, RuntimeError, KeyError)  # missing/mismatched ckpt
 
 
 @dataclass(frozen=True, slots=True)
 class EmbeddedConfig:
     default_method: str = "lyanna"
-    fallback_methods: tuple[str, ...] = ("eagle", "ngram", "ar")
+    fallback_methods: tuple[str, ...] = ("eagle", "ngram", TARGET_ONLY)
     max_running: int = 8  # sequences decoding at once, all methods together
     max_len: int = 2048  # KV rows per sequence
     max_waiting: int = 64  # requests waiting for their first token before BackendBusy

@@ -61,12 +61,11 @@ from gateway.remote_seq import RemoteSeq, split_steps
 from lyanna.scheduler import Scheduler, SchedulerConfig
 from lyanna.sequence import Sequence
 from services import codec
+from services.codec import TARGET_ONLY
 from services.pb import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from services.tls import aio_channel
 
 logger = logging.getLogger(__name__)
-
-TARGET_ONLY = "ar"
 
 __all__ = ["RemoteBackend", "RemoteConfig"]
 

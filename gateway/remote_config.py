@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.codec import MAX_VERIFY_STEPS
 from services.tls import ClientTls, channel_options
 
 
@@ -44,8 +45,10 @@ class RemoteConfig:
         deadlines = (self.prefill_deadline, self.verify_deadline, self.draft_deadline)
         if min(*deadlines, self.control_deadline, self.queue_timeout) <= 0:
             raise ValueError("deadlines and queue_timeout must be > 0")
-        if not 1 <= self.max_steps_per_call <= 64:
-            raise ValueError("max_steps_per_call must be in [1, 64] (the verifier's bound)")
+        if not 1 <= self.max_steps_per_call <= MAX_VERIFY_STEPS:
+            raise ValueError(
+                f"max_steps_per_call must be in [1, {MAX_VERIFY_STEPS}] (the verifier's bound)"
+            )
         if self.drafter_retry_seconds < 0:
             raise ValueError("deadlines must be > 0 and drafter_retry_seconds >= 0")
         if self.use_data_plane and self.drafter_addr is None:

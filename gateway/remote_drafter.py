@@ -28,6 +28,7 @@ import grpc
 
 from gateway.remote_config import RemoteConfig
 from gateway.remote_seq import RemoteSeq
+from services.codec import MAX_HOP_SECONDS, MAX_QUIET_STEPS
 from services.pb import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2
 
 logger = logging.getLogger(__name__)
@@ -38,10 +39,8 @@ STATE_ERRORS = (
     grpc.StatusCode.ABORTED,
 )
 REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
-MAX_QUIET_STEPS = 64  # the most quiet steps trusted from one result (the drafter's bound)
 HANG_GRACE_SECONDS = 1.0
 MAX_STUCK_BACKOFF_SECONDS = 60.0  # the longest wait before asking a stuck drafter again
-MAX_HOP_SECONDS = 60.0  # the most a Step may say its hop took (the drafter's bound)
 
 
 class DrafterLink:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+import lyanna.drafters
 from lyanna.sampling import SamplingParams
 from lyanna.tree import DraftScheme, TokenTree
 from services.pb import common_pb2
@@ -39,6 +40,15 @@ SCHEMES: dict[DraftScheme, int] = {
     DraftScheme.TOPK: common_pb2.DRAFT_SCHEME_TOPK,
 }
 SCHEMES_BY_WIRE = {wire: scheme for scheme, wire in SCHEMES.items()}
+
+# The contract's constants, defined once for both sides (the gateway and the services import
+# them from here). proto3 has no constants: the bounds are the proto enum ``Limit``'s values.
+MAX_QUIET_STEPS: int = common_pb2.LIMIT_MAX_QUIET_STEPS  # StepItem.unseen; quiet_steps trusted
+MAX_VERIFY_STEPS: int = common_pb2.LIMIT_MAX_VERIFY_STEPS  # VerifyItem.steps
+MAX_HOP_SECONDS: float = float(common_pb2.LIMIT_MAX_HOP_SECONDS)  # caller_hop_seconds
+# plain decoding's method name (the drafter registry's): its sequences never reach the drafter
+# service (StepItem.draft false, or a Verify straight to the verifier)
+TARGET_ONLY: str = lyanna.drafters.TARGET_ONLY
 
 
 class WireError(ValueError):

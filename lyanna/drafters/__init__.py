@@ -14,6 +14,7 @@ from lyanna.drafters.base import DraftBudget, DraftCapacity, Drafter, NoDrafter,
 from lyanna.model.transformer import Transformer
 
 DrafterFactory = Callable[[Transformer, DraftBudget, DraftCapacity], Drafter]
+TARGET_ONLY = "ar"  # plain decoding: the engine's NoDrafter, root-only trees, always served
 
 
 def _ar(model: Transformer, budget: DraftBudget, capacity: DraftCapacity) -> Drafter:
@@ -69,7 +70,7 @@ def _lyanna_variant(resample_enabled: bool, fusion: bool) -> DrafterFactory:
 
 DRAFTERS: Mapping[str, DrafterFactory] = MappingProxyType(
     {
-        "ar": _ar,
+        TARGET_ONLY: _ar,
         # the request's text, then what the target wrote in its training answers
         "ngram": _ngram_variant(corpus=True),
         "ngram-prompt": _ngram_variant(corpus=False),  # the request's text only
@@ -129,7 +130,7 @@ def default_budget(method: str, model: Transformer | None = None) -> DraftBudget
 
 TREE_MODES = ("cost", "fixed")
 # methods that run no draft network
-MODEL_FREE_METHODS = ("ar", "ngram", "ngram-prompt")
+MODEL_FREE_METHODS = (TARGET_ONLY, "ngram", "ngram-prompt")
 # what drafts next to a target off the CPU (a GPU): the model-free methods, and the learned
 # drafters whose draft network runs on the target's device (``lyanna.drafters.placement``)
 DEVICE_METHODS = (
@@ -150,7 +151,7 @@ def tree_budget(
     if tree not in TREE_MODES:
         raise ValueError(f"tree must be one of {TREE_MODES}, got {tree!r}")
     budget = budget or default_budget(method, model)
-    if tree == "cost" and method != "ar":  # plain decoding drafts nothing to size
+    if tree == "cost" and method != TARGET_ONLY:  # plain decoding drafts nothing to size
         from lyanna.model.calibrate import verify_cost
 
         budget = replace(budget, cost=verify_cost(model))

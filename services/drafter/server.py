@@ -51,8 +51,6 @@ from services.server import (
     serve,
 )
 
-MAX_QUIET_STEPS = 64  # unseen quiet steps one Step may hand over (the gate waits at most 32)
-MAX_HOP_SECONDS = 60.0  # the most a caller may say its hop here took
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 log = logging.getLogger("lyanna.services.drafter")
 
@@ -128,8 +126,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         seq_ids = [item.ref.seq_id for item in items]
         if len(set(seq_ids)) != len(seq_ids):
             raise invalid("a sequence may appear once per Step call")
-        if not 0 <= request.caller_hop_seconds <= MAX_HOP_SECONDS:
-            raise invalid(f"caller_hop_seconds must be in [0, {MAX_HOP_SECONDS}]")
+        if not 0 <= request.caller_hop_seconds <= codec.MAX_HOP_SECONDS:
+            raise invalid(f"caller_hop_seconds must be in [0, {codec.MAX_HOP_SECONDS}]")
         self._check_tokens([item.next_token for item in items])
         drafted = [item for item in items if item.draft]
         trees, quiet, starts, draft_seconds = self._draft(request, drafted, context, arrived)
@@ -276,8 +274,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         if seq_id not in self._committed:
             raise not_found(f"unknown sequence {seq_id}")
         held = self._committed[seq_id]
-        if len(item.unseen) > MAX_QUIET_STEPS:
-            raise invalid(f"sequence {seq_id}: more than {MAX_QUIET_STEPS} unseen steps")
+        if len(item.unseen) > codec.MAX_QUIET_STEPS:
+            raise invalid(f"sequence {seq_id}: more than {codec.MAX_QUIET_STEPS} unseen steps")
         if held + sum(len(step.committed) for step in item.unseen) != item.ref.num_committed:
             raise out_of_step(
                 f"sequence {seq_id}: caller has {item.ref.num_committed} committed tokens, "
@@ -314,7 +312,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def _quiet_steps(self, seq_id: int) -> int:
         """Steps the drafter will certainly not draft for ``seq_id`` (gated drafters only)."""
         quiet_steps = getattr(self.drafter, "quiet_steps", None)
-        return min(quiet_steps(seq_id), MAX_QUIET_STEPS) if quiet_steps else 0
+        return min(quiet_steps(seq_id), codec.MAX_QUIET_STEPS) if quiet_steps else 0
 
     def _hidden(self, message, field: str, num_rows: int) -> torch.Tensor | None:
         if not self.drafter.needs_hidden:

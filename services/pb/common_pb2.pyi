@@ -14,11 +14,22 @@ class DraftScheme(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DRAFT_SCHEME_IID: _ClassVar[DraftScheme]
     DRAFT_SCHEME_WITHOUT_REPLACEMENT: _ClassVar[DraftScheme]
     DRAFT_SCHEME_TOPK: _ClassVar[DraftScheme]
+
+class Limit(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LIMIT_UNSPECIFIED: _ClassVar[Limit]
+    LIMIT_MAX_QUIET_STEPS: _ClassVar[Limit]
+    LIMIT_MAX_VERIFY_STEPS: _ClassVar[Limit]
+    LIMIT_MAX_HOP_SECONDS: _ClassVar[Limit]
 DRAFT_SCHEME_UNSPECIFIED: DraftScheme
 DRAFT_SCHEME_CHAIN_SAMPLED: DraftScheme
 DRAFT_SCHEME_IID: DraftScheme
 DRAFT_SCHEME_WITHOUT_REPLACEMENT: DraftScheme
 DRAFT_SCHEME_TOPK: DraftScheme
+LIMIT_UNSPECIFIED: Limit
+LIMIT_MAX_QUIET_STEPS: Limit
+LIMIT_MAX_VERIFY_STEPS: Limit
+LIMIT_MAX_HOP_SECONDS: Limit
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")

@@ -59,7 +59,6 @@ from services.verifier.free_drafts import FreeDrafts
 
 T = TypeVar("T")
 
-MAX_STEPS = 64  # plain decode steps one Verify item may ask for
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 log = logging.getLogger("lyanna.services.verifier")
 
@@ -422,8 +421,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def _tree_of(self, item: verifier_pb2.VerifyItem) -> TokenTree:
         tree = codec.decode_tree(item.tree, self.vocab_size, self.config.max_tree_nodes)
-        if item.steps > MAX_STEPS:
-            raise invalid(f"sequence {item.ref.seq_id}: more than {MAX_STEPS} steps")
+        if item.steps > codec.MAX_VERIFY_STEPS:
+            raise invalid(f"sequence {item.ref.seq_id}: more than {codec.MAX_VERIFY_STEPS} steps")
         if item.steps > 1 and tree.num_nodes != 1:
             raise invalid(f"sequence {item.ref.seq_id}: several steps need a root-only tree")
         return tree
