@@ -78,6 +78,7 @@ class Tally:
     held_at_kill: int = 0  # gateway-kill: slots the dead gateway held (the lease frees them)
     reclaim_seconds: list[float] = field(default_factory=list)  # kill -> gauge at 0
     seconds: float = 0.0
+    harness_error: str | None = None  # the run could not go on (not a fault's outcome)
 
 
 @dataclass(slots=True)
@@ -364,9 +365,13 @@ def run_faults(
     prompts: list[str] | None = None,
     service_args: tuple[str, ...] = (),
     log_dir: Path | None = None,
+    startup_timeout: float = 900.0,
+    keep_going: bool = False,
 ) -> dict[str, Tally]:
     """Every fault of ``faults``, ``runs`` times, against one deployment (a new gateway per
-    fault class, and after each ``gateway-kill``); the tallies by fault."""
+    fault class, and after each ``gateway-kill``); the tallies by fault. ``keep_going``: a
+    fault class whose harness fails (a process that does not come back in time) is reported
+    with the runs it finished and the next class runs."""
     from loadtests.load import load_prompts
     from services.launch import launch
 
@@ -387,26 +392,36 @@ def run_faults(
             verifier_args=(*verifier_args, *service_args),
             drafter_args=service_args,
             log_dir=log_dir,
+            startup_timeout=startup_timeout,
         ) as deployment:
             gateway = GatewayProcess(deployment, model_dir, method, log_dir)
             try:
                 for fault in faults:
                     gateway.restart(GATEWAY_FLAGS.get(fault, ()))
                     tally, start = Tally(), time.perf_counter()
-                    for _ in range(runs):
-                        asyncio.run(
-                            one_run(
-                                deployment,
-                                gateway,
-                                fault,
-                                texts,
-                                expected,
-                                max_tokens,
-                                lease_seconds,
-                                rng,
-                                tally,
+                    try:
+                        for _ in range(runs):
+                            asyncio.run(
+                                one_run(
+                                    deployment,
+                                    gateway,
+                                    fault,
+                                    texts,
+                                    expected,
+                                    max_tokens,
+                                    lease_seconds,
+                                    rng,
+                                    tally,
+                                )
                             )
-                        )
+                    except Exception as error:
+                        if not keep_going:
+                            raise
+                        tally.harness_error = f"{type(error).__name__}: {error}"[:300]
+                        print(f"  {fault}: harness failed: {tally.harness_error}", flush=True)
+                        for name in ("verifier", "drafter"):  # whatever it left down
+                            if deployment.children[name].process.poll() is not None:
+                                deployment.restart(name)
                     tally.seconds = round(time.perf_counter() - start, 1)
                     tallies[fault] = tally
                     print(f"  {fault}: {tally}", flush=True)
@@ -425,8 +440,9 @@ def table(tallies: dict[str, Tally]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for fault, t in tallies.items():
+        name = fault if t.harness_error is None else f"{fault} (stopped: {t.harness_error})"
         rows.append(
-            f"| {fault} | {t.runs} | {t.requests} | {t.exact} | {t.cut_prefix} | {t.mismatched} "
+            f"| {name} | {t.runs} | {t.requests} | {t.exact} | {t.cut_prefix} | {t.mismatched} "
             f"| {t.client_errors} | {t.slots_leaked} | {t.seconds:.0f} |"
         )
     return "\n".join(rows)
@@ -448,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the tallies here")
+    parser.add_argument("--log-dir", help="keep the processes' logs here")
     args = parser.parse_args(argv)
     faults = args.faults.split(",")
     unknown = set(faults) - set(FAULTS)
@@ -465,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
         requests=args.requests,
         lease_seconds=args.lease_seconds,
         seed=args.seed,
+        log_dir=Path(args.log_dir) if args.log_dir else None,
+        keep_going=True,
     )
     print(
         f"\n{args.method}, {args.requests} greedy streaming requests of {args.max_tokens} "
