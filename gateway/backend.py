@@ -40,6 +40,7 @@ class StepFacts:
     draft_seconds: float = 0.0  # time spent drafting for the micro-batch holding this request
     verify_seconds: float = 0.0  # time of the verification forward for that micro-batch
     drafter_fallback: bool = False  # the drafter was down or late: target-only step
+    fallback_drafted: bool = False  # a gated learned drafter's free n-gram fallback drafted it
 
     @classmethod
     def of(cls, item: Emitted) -> StepFacts:
@@ -50,6 +51,7 @@ class StepFacts:
             num_drafted=sum(verdict.num_drafted_per_depth),
             num_accepted=verdict.num_accepted,
             num_resampled_accepted=item.num_resampled_accepted,
+            fallback_drafted=item.source == "fallback" and any(verdict.num_drafted_per_depth),
             draft_seconds=item.timing.draft_seconds,
             verify_seconds=item.timing.verify_seconds,
         )

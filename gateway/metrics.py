@@ -49,6 +49,7 @@ class GatewayMetrics:
         self.registry = built.registry
         self.draft_steps = built.counter("lyanna_spec_draft_steps_total")
         self.root_only_steps = built.counter("lyanna_spec_root_only_steps_total")
+        self.fallback_draft_steps = built.counter("lyanna_spec_fallback_draft_steps_total")
         self.draft_tokens = built.counter("lyanna_spec_draft_tokens_total")
         self.accepted_tokens = built.counter("lyanna_spec_accepted_tokens_total")
         self.accepted_per_position = built.counter("lyanna_spec_accepted_tokens_per_position_total")
@@ -79,6 +80,7 @@ class GatewayMetrics:
         for metric in (
             self.draft_steps,
             self.root_only_steps,
+            self.fallback_draft_steps,
             self.draft_tokens,
             self.accepted_tokens,
             self.resampled_accepted,
@@ -108,6 +110,8 @@ class GatewayMetrics:
         labels = self.labels(step.method)
         if step.num_drafted:
             self.draft_steps.labels(**labels).inc()
+            if step.fallback_drafted:
+                self.fallback_draft_steps.labels(**labels).inc()
             self.draft_tokens.labels(**labels).inc(step.num_drafted)
             self.accepted_tokens.labels(**labels).inc(step.num_accepted)
             for position in range(step.num_accepted):

@@ -326,7 +326,15 @@ class RemoteBackend(Admission):
                 self._learn(seq, part, direct=True)
                 fell_back = fallback and not step
                 self.num_fallback_steps += fell_back
-                self._commit(seq, part, verify_seconds=verify_seconds, drafter_fallback=fell_back)
+                # a learned drafter's step the verifier drafted (free drafts): its fallback's
+                free = seq.use_drafter and part.num_drafted > 0
+                self._commit(
+                    seq,
+                    part,
+                    verify_seconds=verify_seconds,
+                    drafter_fallback=fell_back,
+                    fallback_drafted=free,
+                )
                 if seq.done:
                     break  # tokens decoded past the end are dropped with the sequence
 

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from lyanna.drafters.base import Drafter, NoDrafter, VerifiedStep
+from lyanna.drafters.gate import step_source
 from lyanna.model.kv_cache import KVCache
 from lyanna.model.transformer import Transformer
 from lyanna.scheduler import Emitted, Scheduler, SchedulerConfig, StepTiming
@@ -188,12 +189,13 @@ class SpecEngine:
         for sequence in batch:
             groups.setdefault(sequence.method, []).append(sequence)
         batch = [s for group in groups.values() for s in group]  # in the order trees come
-        trees, draft_seconds = [], {}
+        trees, draft_seconds, sources = [], {}, {}
         for method, group in groups.items():
             start = time.perf_counter()
             with _drafter_calls(method):
                 trees += self.drafters[method].propose([s.seq_id for s in group])
             draft_seconds[method] = time.perf_counter() - start
+            sources |= {s.seq_id: step_source(self.drafters[method], s.seq_id) for s in group}
         needs_hidden = any(self.drafters[m].needs_hidden for m in groups)
         start = time.perf_counter()
         results = self.target.verify([s.seq_id for s in batch], trees, needs_hidden)
@@ -215,6 +217,7 @@ class SpecEngine:
         self._record_time(draft_seconds, verify_seconds)
         for item in emitted:
             item.timing = StepTiming(draft_seconds[item.sequence.method], verify_seconds)
+            item.source = sources[item.sequence.seq_id]
         return emitted
 
     def _record_time(self, draft_seconds: dict[str, float], verify_seconds: float) -> None:

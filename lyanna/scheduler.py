@@ -72,6 +72,7 @@ class Emitted:
     verdict: Verification | None = None  # the verification behind them; None for the prefill
     timing: StepTiming = field(default_factory=StepTiming)
     num_resampled_accepted: int = 0  # accepted tokens only a re-sampled subtree held
+    source: str = "method"  # what drafted the tree (lyanna.drafters.gate.DRAFT_SOURCES)
     logprobs: list | None = None  # one lyanna.sampling.TokenLogprob per token (when asked)
 
 

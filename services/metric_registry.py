@@ -134,6 +134,13 @@ GATEWAY = Process(
             "(whoever drafted the tree). Mean acceptance length = 1 + accepted / drafts.",
         ),
         _gateway(
+            "lyanna_spec_fallback_draft_steps_total",
+            COUNTER,
+            "Drafts a gated learned drafter's free n-gram fallback drafted instead of the "
+            "method (embedded: the drafter's fallback; services: the verifier's free drafts); "
+            "a part of lyanna_spec_draft_steps_total.",
+        ),
+        _gateway(
             "lyanna_spec_root_only_steps_total",
             COUNTER,
             "Verifications without a draft token (a root-only tree: target-only decoding, "

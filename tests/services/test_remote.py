@@ -125,6 +125,11 @@ def test_quiet_steps_skip_the_drafter_and_share_verify_calls(tiny_model_dir, tin
     steps = [s for o in outcomes for s in o.steps]
     assert not any(s.drafter_fallback for s in steps)
     assert any(s.num_drafted for s in steps)  # its probes
+    # drafts counted as the method's came through the drafter's Steps; the rest (the
+    # verifier's free drafts on quiet steps) are its fallback's
+    method_drafts = [s for s in steps if s.num_drafted and not s.fallback_drafted]
+    assert len(method_drafts) <= backend.drafter.num_step_calls * len(PROMPTS)
+    assert all(s.num_drafted for s in steps if s.fallback_drafted)
     assert backend.drafter.num_starts == len(PROMPTS)
     assert backend.drafter.num_step_calls * 3 < len(steps)
     assert backend.num_verify_calls * 2 < len(steps)

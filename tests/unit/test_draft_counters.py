@@ -100,3 +100,58 @@ def test_a_run_without_drafts_counts_no_draft() -> None:
     assert got["lyanna_spec_draft_steps_total"] == 0
     assert got["lyanna_spec_root_only_steps_total"] == 5
     assert got.get("lyanna_spec_acceptance_length_count", 0) == 0
+
+
+def test_fallback_drafts_are_counted_apart_and_stay_drafts() -> None:
+    """A draft the n-gram fallback of a gated learned drafter made is a draft (vLLM counts
+    it) and is also counted in lyanna_spec_fallback_draft_steps_total."""
+    metrics = GatewayMetrics("m", "embedded")
+    metrics.prime("lyanna")
+    metrics.record_step(StepFacts("lyanna", 2, 1, fallback_drafted=True))
+    metrics.record_step(StepFacts("lyanna", 3, 0))
+    metrics.record_step(StepFacts("lyanna", 0, 0))
+    got = samples(metrics)
+    assert got["lyanna_spec_draft_steps_total"] == 2
+    assert got["lyanna_spec_fallback_draft_steps_total"] == 1
+    assert got["lyanna_spec_root_only_steps_total"] == 1
+
+
+def test_the_engine_says_which_drafter_drafted_each_step() -> None:
+    """In one process the engine hands each step's drafter (the method, its n-gram fallback,
+    or none) to the gateway: checked against which drafter was asked for the sequence."""
+    from lyanna.drafters.base import DraftBudget
+    from lyanna.drafters.eagle import EagleDrafter
+    from lyanna.drafters.gate import DraftGate, GateConfig, GatedDrafter
+    from lyanna.drafters.ngram import NgramDrafter
+    from tests.conftest import make_tiny_model
+    from tests.unit.test_draft_gate import HALF_STEP_ROW
+    from tests.unit.test_eagle import PROMPTS, random_head, run_engine
+
+    model = make_tiny_model(2, vocab_size=16)
+    budget = DraftBudget(2, 2, 3, cost=HALF_STEP_ROW)
+    inner = EagleDrafter(model, random_head(model), budget, max_running=2, max_len=256)
+    fallback = NgramDrafter(DraftBudget(3, 1, 3, cost=HALF_STEP_ROW))
+    gate = DraftGate(HALF_STEP_ROW, GateConfig(prior=0.0, probe_after=2))
+    drafter = GatedDrafter(inner, gate, fallback)
+    asked: dict[str, set[int]] = {"method": set(), "fallback": set()}
+
+    def spy(name: str, propose):
+        return lambda ids: (asked[name].update(ids), propose(ids))[1]
+
+    inner.propose = spy("method", inner.propose)
+    fallback.propose = spy("fallback", fallback.propose)
+    engine, _ = run_engine(model, drafter, PROMPTS, max_running=2)
+    seen = []
+    while engine.has_work:
+        for names in asked.values():
+            names.clear()
+        for item in engine.step():
+            if item.verdict is None:  # the prefill
+                continue
+            seq_id = item.sequence.seq_id
+            expected = next((n for n, ids in asked.items() if seq_id in ids), "plain")
+            assert item.source == expected
+            facts = StepFacts.of(item)
+            assert facts.fallback_drafted == (expected == "fallback" and facts.num_drafted > 0)
+            seen.append((item.source, facts.num_drafted > 0))
+    assert ("fallback", True) in seen  # the fallback drafted some steps
