@@ -38,11 +38,15 @@ def _free_port() -> int:
 
 
 def start_prometheus(
-    binary: str, targets: list[str], workdir: Path
+    binary: str, targets: list[str], workdir: Path, rule_files: tuple[Path, ...] = ()
 ) -> tuple[str, subprocess.Popen]:
-    """Start scraping ``targets`` (host:port); returns its base URL and the process."""
+    """Start scraping ``targets`` (host:port), evaluating ``rule_files`` (recording rules and
+    alerts); returns its base URL and the process."""
     config = workdir / "prometheus.yml"
-    config.write_text(SCRAPE_CONFIG.format(targets=", ".join(f'"{t}"' for t in targets)))
+    text = SCRAPE_CONFIG.format(targets=", ".join(f'"{t}"' for t in targets))
+    if rule_files:
+        text += "rule_files:\n" + "".join(f'  - "{path}"\n' for path in rule_files)
+    config.write_text(text)
     port = _free_port()
     process = subprocess.Popen(
         [

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from deploy.grafana.dashboard import panel_queries
-from deploy.prometheus import local
+from deploy.prometheus import local, rules
 from deploy.prometheus.local import poll, query, ready, start_prometheus
 from gateway.server import free_port
 from services.launch import launch
@@ -115,7 +115,7 @@ def test_every_panel_shows_the_three_processes(tiny_chat_dir, tmp_path) -> None:
     ) as deployment:
         url = f"http://127.0.0.1:{deployment.gateway_port}"
         targets = [url.removeprefix("http://"), *(f"127.0.0.1:{p}" for p in ports.values())]
-        base, process = start_prometheus(binary, targets, tmp_path)
+        base, process = start_prometheus(binary, targets, tmp_path, (rules.RULES,))
         try:
             poll(lambda: ready(base))
             poll(lambda: len(query(base, 'up{job="lyanna"} == 1')) == len(targets))
@@ -148,6 +148,7 @@ def test_every_panel_shows_the_three_processes(tiny_chat_dir, tmp_path) -> None:
                 poll(lambda: not still_empty(), timeout=30)
             except AssertionError:
                 pytest.fail(f"panels without data: {still_empty()}")
+            check_recording_rules(base)
         finally:
             process.terminate()
             process.wait(timeout=30)
@@ -156,6 +157,34 @@ def test_every_panel_shows_the_three_processes(tiny_chat_dir, tmp_path) -> None:
 NGRAM_ACCEPTED = 'lyanna_spec_accepted_tokens_total{method="ngram"}'
 NGRAM_DRAFTS = 'lyanna_spec_draft_steps_total{method="ngram"}'
 NGRAM_ROOT_ONLY = 'lyanna_spec_root_only_steps_total{method="ngram"}'
+
+
+def check_recording_rules(base: str) -> None:
+    """The recording rules (deploy/prometheus/lyanna-rules.yaml) evaluated on the three
+    processes' real series: each of those the load feeds has a value, with the labels the
+    alerts join on; the acceptance length is the rule's over the same counters."""
+
+    def recorded(name: str) -> list[dict]:
+        return query(base, f'{name}{{method="ngram"}}') or query(base, name)
+
+    for name in (
+        "lyanna:acceptance_length:rate5m",
+        "lyanna:draft_steps:rate5m",
+        "lyanna:drafted_share:rate5m",
+        "lyanna:acceptance_rate:rate5m",
+        "lyanna:drafter_fallback_share:rate5m",
+        "lyanna:time_to_first_token_seconds:p99_5m",
+        "lyanna:rejected_share:rate5m",
+    ):
+        series = poll(lambda name=name: recorded(name), timeout=90)
+        labels = series[0]["metric"]
+        assert "model" in labels, (name, labels)
+        if name != "lyanna:rejected_share:rate5m":
+            assert labels["method"] == "ngram", (name, labels)
+    share = float(recorded("lyanna:drafted_share:rate5m")[0]["value"][1])
+    assert 0 < share <= 1
+    tau = float(recorded("lyanna:acceptance_length:rate5m")[0]["value"][1])
+    assert tau >= 1
 
 
 def scraped_steps(base: str) -> float:
