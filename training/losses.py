@@ -4,6 +4,8 @@ LM head), the padded ``TrainBatch`` and the composite EAGLE loss of one unrolled
 ``ce_weight`` x cross-entropy of the draft's hot-vocabulary distribution against the target's
 (softmax of the target's logits from the dumped hidden state through the frozen LM head,
 restricted to the hot vocabulary), with top-1/top-3 agreement metrics on answer positions.
+The cross-entropy is chunked and fused (``training.hot_ce``): no ``[positions, num_hot]``
+logits are kept for backward at any unrolled step.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from lyanna.drafters.heads import full_vocab_hits
 from lyanna.model import default_model_dir, read_hf_dir
 from lyanna.model.config import ModelConfig
 from training.config import TrainConfig
+from training.hot_ce import fused_hot_ce
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -65,27 +68,20 @@ class TrainBatch:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class TargetRows:
-    """Per-position targets shared by every unrolled step."""
+    """Per-position targets shared by every unrolled step (the target's hot-vocabulary
+    distribution is computed from ``hidden`` chunk by chunk, inside the loss)."""
 
     hidden: torch.Tensor  # [B, T-1, d] next hidden state h_{i+1}
-    log_probs: torch.Tensor  # [B, T-1, num_hot] target log-distribution over the hot vocab
-    argmax: torch.Tensor  # [B, T-1] int64 hot index of the target's most likely token
     weight: torch.Tensor  # [B, T-1] loss weight
     answer: torch.Tensor  # [B, T-1] bool
 
 
-def target_rows(batch: TrainBatch, hot_head: torch.Tensor) -> TargetRows:
-    """Targets of position i: the state h_{i+1} and the target's distribution it gives."""
-    with torch.no_grad():
-        nxt = batch.hidden[:, 1:]
-        logits = nxt @ hot_head.T
-        return TargetRows(
-            hidden=nxt,
-            log_probs=logits.log_softmax(-1),
-            argmax=logits.argmax(-1),
-            weight=batch.weight[:, 1:],
-            answer=batch.answer[:, 1:],
-        )
+def target_rows(batch: TrainBatch, hot_head: torch.Tensor | None = None) -> TargetRows:
+    """Targets of position i: the state h_{i+1} (whose distribution through ``hot_head`` the
+    loss computes)."""
+    return TargetRows(
+        hidden=batch.hidden[:, 1:], weight=batch.weight[:, 1:], answer=batch.answer[:, 1:]
+    )
 
 
 def composite_loss(
@@ -103,26 +99,27 @@ def composite_loss(
     weight = targets.weight * valid
     denom = weight.sum().clamp(min=1e-6)
     regression = F.smooth_l1_loss(predicted, targets.hidden, reduction="none").mean(-1)
-    log_draft = (predicted @ hot_head.T).log_softmax(-1)
-    ce = -(targets.log_probs.exp() * log_draft).sum(-1)
-    weighted = config.regression_weight * regression + config.ce_weight * ce
-    loss = (weighted * weight).sum() / denom
+    rows = weight > 0  # the cross-entropy of zero-weight rows (padding) is never computed
+    out = fused_hot_ce(predicted[rows], hot_head, targets.hidden[rows], weight[rows])
+    ce_sum = out.loss
+    loss = config.regression_weight * (regression * weight).sum() + config.ce_weight * ce_sum
+    loss = loss / denom
     with torch.no_grad():
-        answer = (targets.answer & valid).float()
+        answer = (targets.answer & valid)[rows].float()
         n = answer.sum().clamp(min=1.0)
-        top3 = log_draft.topk(3, dim=-1).indices
-        hit1 = (top3[..., 0] == targets.argmax).float()
-        hit3 = (top3 == targets.argmax[..., None]).any(-1).float()
+        hit1 = (out.top3[:, 0] == out.target_argmax).float()
+        hit3 = (out.top3 == out.target_argmax[:, None]).any(-1).float()
         metrics = {
             f"{prefix}reg": float((regression * weight).sum() / denom),
-            f"{prefix}ce": float((ce * weight).sum() / denom),
+            f"{prefix}ce": float(ce_sum.detach() / denom),
             f"{prefix}top1": float((hit1 * answer).sum() / n),
             f"{prefix}top3": float((hit3 * answer).sum() / n),
         }
         if target is not None:
-            rows = answer.bool()
+            keep = answer.bool()
             full = full_vocab_hits(
-                target.hot_vocab[top3[..., 0][rows]], targets.hidden[rows], target.embedding
-            )
+                target.hot_vocab[out.top3[:, 0][keep]], targets.hidden[rows][keep],
+                target.embedding,
+            )  # fmt: skip
             metrics[f"{prefix}top1_full"] = float(full.mean()) if full.numel() else 0.0
     return loss, metrics

@@ -3,6 +3,10 @@ every anchor of a sequence at once, the chain unrolled ``unroll_steps`` times on
 outputs (no token enters the chain), loss ``alpha * MSE(h, H) + beta * CE(softmax(l'),
 softmax(L))`` per step with teacher-forced parent tokens for the token-info bias.
 The draft layer starts from the target's last decoder layer.
+
+The cross-entropy is ``training.hot_ce.fused_hot_ce``: chunked over rows, the token-info
+bias fused in, so no ``[rows, num_hot]`` logits (draft, target or bias) are kept for backward
+at any unrolled step (``python -m training.memory`` measures it).
 """
 
 from __future__ import annotations
@@ -10,9 +14,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lyanna.drafters.lyanna_model import LyannaDraftConfig, LyannaDraftModel, draft_loss
+from lyanna.drafters.heads import full_vocab_hits
+from lyanna.drafters.lyanna_model import LyannaDraftConfig, LyannaDraftModel
 from lyanna.model.config import ModelConfig
 from training.config import TrainConfig
+from training.hot_ce import TokenInfo, fused_hot_ce
 from training.losses import FrozenTarget, TrainBatch, default_target_state
 
 
@@ -78,3 +84,62 @@ class LyannaTrainModel(nn.Module):
 
     def config_dict(self) -> dict:
         return self.draft.config.to_dict()
+
+
+def token_info_factors(model: LyannaDraftModel, parents: torch.Tensor) -> TokenInfo:
+    """The token-info bias of ``parents`` [R] as ``fused_hot_ce`` takes it: the same numbers
+    as ``model.token_info(parents)`` without its ``[R, num_hot]`` rows."""
+    a = model.embedding[parents].to(model.w1.dtype) @ model.w1  # [R, rank]
+    keep = (model.hot_index[parents] >= 0) & model.config.use_token_info
+    norm = model.info_norm
+    return TokenInfo(a, model.w2, norm.weight, keep, norm.eps)
+
+
+def draft_loss(
+    model: LyannaDraftModel,
+    hidden: torch.Tensor,  # [B, T, n] float32 target hidden states
+    tokens: torch.Tensor,  # [B, T] int64
+    loss_mask: torch.Tensor,  # [B, T] bool or float weight of each token as a prediction
+    alpha: float = 1.0,
+    beta: float = 0.1,
+    steps: int | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """alpha * MSE(h, H) + beta * CE(softmax(l'), softmax(L)) averaged over the chain steps.
+
+    MSE covers every weighted position; the cross-entropy (over the hot vocabulary, target
+    renormalised on it) and the top-1/top-3 agreement with the target's argmax cover the
+    full-weight (answer) positions only: the LM-head products dominate the training cost on
+    a CPU and the answers are what the drafter must predict."""
+    steps = steps or model.config.chain_steps
+    T = hidden.shape[1]
+    weight = loss_mask.float()
+    outputs = model.unrolled(hidden, tokens, steps)
+    head = model.hot_head
+    total = hidden.new_zeros(())
+    metrics: dict[str, float] = {}
+    for i, y in enumerate(outputs, start=1):
+        valid = T - 1 - i  # anchors j with j + i + 1 < T (the token to predict exists)
+        if valid <= 0:
+            break
+        pred = y[:, :valid]  # [B, valid, n]: predicts hidden[j + i]
+        target_h = hidden[:, i : i + valid]
+        w = weight[:, i + 1 : i + 1 + valid]  # weight of the token being predicted
+        mse = ((pred - target_h).pow(2).mean(-1) * w).sum() / w.sum().clamp_min(1.0)
+        answer = w >= 1.0
+        parents = tokens[:, i : i + valid][answer]
+        rows, targets = pred[answer], target_h[answer]
+        out = fused_hot_ce(rows, head, targets, torch.ones_like(parents, dtype=torch.float32),
+                           token_info_factors(model, parents))  # fmt: skip
+        ce = out.loss / max(1, rows.shape[0])
+        total = total + alpha * mse + beta * ce
+        with torch.no_grad():
+            best = out.target_argmax[:, None]
+            metrics[f"mse{i}"] = float(mse.detach())
+            metrics[f"ce{i}"] = float(ce.detach())
+            metrics[f"top1_{i}"] = float((out.top3[:, :1] == best).float().mean())
+            metrics[f"top3_{i}"] = float((out.top3 == best).any(-1).float().mean())
+            if not model.training:  # evaluation: agreement over the full vocabulary
+                draft_ids = model.hot_ids[out.top3[:, 0]]
+                full = full_vocab_hits(draft_ids, targets, model.embedding)
+                metrics[f"top1_full_{i}"] = float(full.mean()) if full.numel() else 0.0
+    return total / len(outputs), metrics

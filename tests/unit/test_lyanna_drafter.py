@@ -12,13 +12,14 @@ import torch
 from lyanna.decode import generate
 from lyanna.drafters.base import DraftBudget
 from lyanna.drafters.lyanna import LyannaDrafter, ResampleConfig
-from lyanna.drafters.lyanna_model import LyannaDraftConfig, LyannaDraftModel, draft_loss
+from lyanna.drafters.lyanna_model import LyannaDraftConfig, LyannaDraftModel
 from lyanna.drafters.token_info_tree import build_subtree, resample_subtree
 from lyanna.engine import EngineConfig, SpecEngine
 from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence
 from lyanna.tree_cost import VerifyCost
 from tests.conftest import make_tiny_model
+from training.lyanna import draft_loss
 
 VOCAB = 16
 

@@ -1,0 +1,151 @@
+"""The fused, chunked hot-vocabulary cross-entropy (``training.hot_ce``) against a plain full
+cross-entropy written out here: loss, every gradient, the metrics' indices, and the drafters'
+losses that use it against the unchunked formulas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import make_tiny_model
+from training.hot_ce import TokenInfo, fused_hot_ce
+
+
+def _case(seed: int = 0, R: int = 37, d: int = 16, H: int = 50, rank: int = 8):
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(R, d, generator=gen, requires_grad=True)
+    head = torch.randn(H, d, generator=gen)
+    target = torch.randn(R, d, generator=gen)
+    weight = torch.rand(R, generator=gen) + 0.25
+    a = torch.randn(R, rank, generator=gen, requires_grad=True)
+    w2 = torch.randn(rank, H, generator=gen, requires_grad=True)
+    g = (torch.rand(H, generator=gen) + 0.5).requires_grad_()
+    keep = torch.rand(R, generator=gen) > 0.3
+    return rows, head, target, weight, a, w2, g, keep
+
+
+def _plain(rows, head, target, weight, a=None, w2=None, g=None, keep=None, eps=1e-5):
+    """The full cross-entropy, every logit materialised (the reference)."""
+    z = rows @ head.T
+    if a is not None:
+        z = z + F.rms_norm(a @ w2, (w2.shape[1],), g, eps) * keep[:, None].float()
+    p = (target @ head.T).softmax(-1)
+    return (weight * -(p * z.log_softmax(-1)).sum(-1)).sum(), z, target @ head.T
+
+
+@pytest.mark.parametrize("chunk", [1, 8, 1000])
+@pytest.mark.parametrize("with_info", [False, True])
+def test_fused_ce_equals_the_plain_full_cross_entropy(chunk: int, with_info: bool) -> None:
+    rows, head, target, weight, a, w2, g, keep = _case()
+    info = TokenInfo(a, w2, g, keep, 1e-5) if with_info else None
+    out = fused_hot_ce(rows, head, target, weight, info, chunk=chunk)
+    (3.0 * out.loss).backward()  # an upstream gradient other than 1 scales every gradient
+    got = [rows.grad] + ([a.grad, w2.grad, g.grad] if with_info else [])
+    for t in (rows, a, w2, g):
+        t.grad = None
+    ref, z, t_logits = _plain(rows, head, target, weight, *((a, w2, g, keep) if with_info else ()))
+    (3.0 * ref).backward()
+    expected = [rows.grad] + ([a.grad, w2.grad, g.grad] if with_info else [])
+    torch.testing.assert_close(out.loss, ref.detach(), rtol=1e-5, atol=1e-5)
+    for mine, theirs in zip(got, expected, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+    assert out.top3.tolist() == z.detach().topk(3, dim=-1).indices.tolist()
+    assert out.target_argmax.tolist() == t_logits.argmax(-1).tolist()
+    p = t_logits.softmax(-1)
+    torch.testing.assert_close(out.ce, -(p * z.detach().log_softmax(-1)).sum(-1))
+
+
+def test_token_info_changes_the_loss_only_where_kept() -> None:
+    rows, head, target, weight, a, w2, g, keep = _case(1)
+    none_kept = TokenInfo(a, w2, g, torch.zeros_like(keep), 1e-5)
+    with torch.no_grad():
+        plain = fused_hot_ce(rows, head, target, weight).ce
+        off = fused_hot_ce(rows, head, target, weight, none_kept).ce
+        on = fused_hot_ce(rows, head, target, weight, TokenInfo(a, w2, g, keep, 1e-5)).ce
+    torch.testing.assert_close(off, plain)
+    assert bool((on[keep] != plain[keep]).all())
+    torch.testing.assert_close(on[~keep], plain[~keep])
+
+
+def test_without_a_gradient_nothing_is_kept_and_backward_refuses() -> None:
+    rows, head, target, weight, *_ = _case(2)
+    with torch.no_grad():
+        out = fused_hot_ce(rows, head, target, weight)
+    assert not out.loss.requires_grad
+    ref, _, _ = _plain(rows.detach(), head, target, weight)
+    torch.testing.assert_close(out.loss, ref)
+
+
+def test_lyanna_draft_loss_matches_the_unchunked_formula() -> None:
+    """``training.lyanna.draft_loss`` (fused) against the loss written out with the model's own
+    ``token_info`` rows and a plain softmax cross-entropy: same value, same gradients."""
+    from lyanna.drafters.lyanna_model import LyannaDraftConfig, LyannaDraftModel
+    from training.lyanna import draft_loss
+
+    target = make_tiny_model(3, vocab_size=40)
+    torch.manual_seed(0)
+    hot = torch.randperm(40)[:24]
+    draft = LyannaDraftModel(LyannaDraftConfig(target.config, num_hot=24, info_rank=8,
+                                               chain_steps=3),
+                             target.embed_tokens.weight, hot)  # fmt: skip
+    with torch.no_grad():
+        draft.w2.normal_()
+    hidden = torch.randn(2, 11, target.config.hidden_size)
+    tokens = torch.randint(0, 40, (2, 11))
+    mask = torch.rand(2, 11) > 0.3
+    loss, metrics = draft_loss(draft, hidden, tokens, mask, alpha=0.5, beta=0.7, steps=3)
+    loss.backward()
+    fused_grads = {n: p.grad.clone() for n, p in draft.named_parameters()}
+    draft.zero_grad()
+
+    total = torch.zeros(())
+    head = draft.embedding[draft.hot_ids]
+    weight = mask.float()
+    for i, y in enumerate(draft.unrolled(hidden, tokens, 3), start=1):
+        valid = 11 - 1 - i
+        pred, target_h = y[:, :valid], hidden[:, i : i + valid]
+        w = weight[:, i + 1 : i + 1 + valid]
+        mse = ((pred - target_h).pow(2).mean(-1) * w).sum() / w.sum().clamp_min(1.0)
+        answer = w >= 1.0
+        logits = pred[answer] @ head.T + draft.token_info(tokens[:, i : i + valid][answer])
+        p = (target_h[answer] @ head.T).softmax(-1)
+        ce = -(p * logits.log_softmax(-1)).sum(-1).mean()
+        total = total + 0.5 * mse + 0.7 * ce
+        assert metrics[f"ce{i}"] == pytest.approx(float(ce.detach()), rel=1e-5)
+        top1 = (logits.argmax(-1) == p.argmax(-1)).float().mean()
+        assert metrics[f"top1_{i}"] == pytest.approx(float(top1))
+    (total / 3).backward()
+    torch.testing.assert_close(loss.detach(), (total / 3).detach())
+    for name, param in draft.named_parameters():
+        torch.testing.assert_close(fused_grads[name], param.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_eagle_composite_loss_matches_the_unchunked_formula() -> None:
+    from training.config import TrainConfig
+    from training.losses import FrozenTarget, TrainBatch, composite_loss, target_rows
+
+    torch.manual_seed(1)
+    d, H = 12, 20
+    embedding = torch.randn(30, d)
+    target = FrozenTarget.from_embedding(embedding, torch.randperm(30)[:H])
+    hidden = torch.randn(2, 9, d)
+    weight = torch.tensor([[1.0] * 9, [0.25] * 3 + [1.0] * 4 + [0.0] * 2])
+    batch = TrainBatch(torch.zeros(2, 9, dtype=torch.int64), hidden, weight, weight >= 1.0)
+    predicted = torch.randn(2, 8, d, requires_grad=True)
+    valid = torch.ones(2, 8, dtype=torch.bool)
+    valid[:, 0] = False
+    config = TrainConfig(regression_weight=0.3, ce_weight=0.2)
+    targets = target_rows(batch, target.hot_head)
+    loss, metrics = composite_loss(predicted, targets, valid, target.hot_head, config, "s_")
+    (grad,) = torch.autograd.grad(loss, predicted)
+
+    w = weight[:, 1:] * valid
+    reg = F.smooth_l1_loss(predicted, hidden[:, 1:], reduction="none").mean(-1)
+    p = (hidden[:, 1:] @ target.hot_head.T).softmax(-1)
+    ce = -(p * (predicted @ target.hot_head.T).log_softmax(-1)).sum(-1)
+    ref = ((0.3 * reg + 0.2 * ce) * w).sum() / w.sum()
+    (ref_grad,) = torch.autograd.grad(ref, predicted)
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(grad, ref_grad)
+    assert metrics["s_ce"] == pytest.approx(float((ce * w).sum() / w.sum()), rel=1e-5)
