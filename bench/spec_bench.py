@@ -9,6 +9,12 @@ Prints, per method and per category: end-to-end tokens/s (prefill included), dec
 tokens/s (prefill excluded), speedup over AR measured in this run, acceptance length tau,
 conditional acceptance per depth, draft/verify time shares, and at temperature 0 how many
 prompts differ from AR's output (must be 0).
+
+The JSON also has, per method, ``learned_step_share``: of the steps that drafted anything
+(a gated learned drafter's own steps and its free fallback's), the share the method itself
+proposed (1.0 for a method without a gate; None for AR), and ``cond_accept_by_source``: the
+conditional acceptance per depth of the method's own steps (``method``) and its fallback's
+(``fallback``) apart (``lyanna.drafters.gate.DRAFT_SOURCES``; ``plain`` steps draft nothing).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from bench.common import (
 )
 from gateway.device_args import placement
 from lyanna.drafters import DRAFTERS, MODEL_FREE_METHODS, DraftBudget, Drafter, make_drafter
+from lyanna.drafters.gate import DRAFT_SOURCES
 from lyanna.engine import EngineConfig, SpecEngine
 from lyanna.model import fetch_default_model, load_model
 from lyanna.model.transformer import Transformer
@@ -53,6 +60,8 @@ class Tally:
     prefill_seconds: float = 0.0
     resampled_accepted: int = 0  # tokens accepted from re-sampled subtrees (Lyanna)
     stats: SpecStats = field(default_factory=SpecStats)
+    # the verifications of each step source (``DRAFT_SOURCES``: method, fallback, plain)
+    by_source: dict[str, SpecStats] = field(default_factory=dict)
 
     def add(self, other: Tally) -> None:
         self.output_tokens += other.output_tokens
@@ -60,6 +69,18 @@ class Tally:
         self.seconds += other.seconds
         self.prefill_seconds += other.prefill_seconds
         self.stats.merge(other.stats)
+        for source, stats in other.by_source.items():
+            self.by_source.setdefault(source, SpecStats()).merge(stats)
+
+    def steps_of(self, source: str) -> int:
+        stats = self.by_source.get(source)
+        return stats.num_steps if stats else 0
+
+    @property
+    def learned_step_share(self) -> float:
+        """Of the drafted steps (the method's own and its fallback's), the method's share."""
+        own, fallback = self.steps_of("method"), self.steps_of("fallback")
+        return own / (own + fallback) if own + fallback else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -81,6 +102,13 @@ class Tally:
             else None,
             "tau": self.stats.acceptance_length,
             "cond_accept": self.stats.conditional_acceptance,
+            "learned_step_share": self.learned_step_share,
+            "steps_by_source": {src: self.steps_of(src) for src in DRAFT_SOURCES},
+            "cond_accept_by_source": {
+                src: self.by_source[src].conditional_acceptance
+                for src in ("method", "fallback")
+                if src in self.by_source
+            },
             "resampled_share": self.resampled_accepted / self.output_tokens
             if self.output_tokens
             else 0.0,
@@ -95,13 +123,19 @@ def run_batch(
 ) -> tuple[Tally, list[list[int]]]:
     engine = engine_factory()
     seqs = [Sequence(i, p, params, eos) for i, p in enumerate(prompts)]
+    by_source: dict[str, SpecStats] = {}
     start = time.perf_counter()
     for seq in seqs:
         engine.submit(seq)
-    stats = engine.run()
+    while engine.has_work:  # engine.run(), keeping what drafted each verified step
+        for item in engine.step():
+            if item.verdict is not None:
+                by_source.setdefault(item.source, SpecStats()).record(item.verdict)
+    stats = engine.stats
     seconds = time.perf_counter() - start
     tally = Tally(sum(len(s.output_ids) for s in seqs), seconds, stats.prefill_seconds)
     tally.stats = stats
+    tally.by_source = by_source
     tally.resampled_accepted = stats.num_resampled_accepted
     return tally, [s.output_ids for s in seqs]
 
@@ -235,6 +269,9 @@ def run_methods(
             "greedy_mismatches": mismatches[method] if params.greedy else None,
         }
         results[method].update(results[method]["overall"])
+        if method == "ar":  # plain decoding drafts nothing: no share to speak of
+            for summary in (results[method], results[method]["overall"], *per_cat[method].values()):
+                summary["learned_step_share"] = None
     return results
 
 
@@ -249,6 +286,7 @@ def print_results(results: dict[str, dict]) -> None:
             "tau",
             "cond. accept d1-d3",
             "draft/verify share",
+            "learned share",
             "greedy mismatches",
         ],
         [
@@ -261,6 +299,7 @@ def print_results(results: dict[str, dict]) -> None:
                 r["tau"],
                 " / ".join(f"{c:.2f}" for c in r["cond_accept"][:3]),
                 f"{r['draft_share']:.2f} / {r['verify_share']:.2f}",
+                r["learned_step_share"],
                 r["greedy_mismatches"],
             ]
             for m, r in results.items()
