@@ -4,9 +4,11 @@ models, health and Prometheus metrics, in front of any ``GenerationBackend``.
 The gateway owns the request lifecycle: it validates and tokenizes (``intake``), waits for the
 first delta before answering (so a full queue is a 429 and a dead backend a 503, never a
 broken stream), streams text with stop strings applied (``generation``), and records metrics.
-An ASGI guard in front of every route checks the API key (``LYANNA_API_KEYS``) on ``/v1/``
-and bounds the body size. The method of one request may be chosen with the
-``X-Lyanna-Method`` header or the ``lyanna_method`` body field.
+An ASGI guard in front of every route checks the API key (``LYANNA_API_KEYS``) on ``/v1/``,
+bounds the body size and counts every response by path and status code. The method of one
+request may be chosen with the ``X-Lyanna-Method`` header or the ``lyanna_method`` body field.
+Chat and text completions share one code path (``serve``); a ``Surface`` holds what differs.
+A client's ``X-Request-Id`` is echoed and carried by the response id (``chatcmpl-<id>``).
 """
 
 from __future__ import annotations
