@@ -52,6 +52,12 @@ class DrafterConfig:
     # sequences held and rows each may grow to: the verifier's --max-running / --max-len
     max_running: int = 16
     max_len: int = 4096
+    # a sequence's draft state is leased like the verifier's slot: Start and every Step
+    # naming it renew it, and state nobody renewed for this long is dropped (a gateway killed
+    # without a Release); a later Step for it gets NOT_FOUND and the gateway starts it again
+    # from its history. Quiet steps do not call the drafter (at most 64 in a row), so keep it
+    # well above their time; 0 = held until released
+    lease_seconds: float = 120.0
     # "module:function" building a Drafter from (target model, budget, capacity) instead of the
     # registry: custom drafters, tests with random-weight heads
     factory: str | None = None
@@ -70,6 +76,8 @@ class DrafterConfig:
     def __post_init__(self) -> None:
         if self.verify_deadline <= 0:
             raise ValueError("verify_deadline must be > 0")
+        if self.lease_seconds < 0:
+            raise ValueError("lease_seconds must be >= 0 (0: no lease)")
         self.verifier_tls()  # validates the pairing
         self.shape()  # DraftBudget validates it
         DraftCapacity(self.max_running, self.max_len)  # validates them

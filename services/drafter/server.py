@@ -10,6 +10,9 @@ NOT_FOUND for an unknown sequence). A failed drafter or verifier call drops the 
 sequences (the caller re-Starts them); a failed verifier call answers ABORTED, and the caller
 re-runs the step directly (Verify answers a retried step with what it already committed).
 Verification fusion stays inside the drafter (``LyannaDrafter``), as in the in-process engine.
+Each sequence's state is leased (``--lease-seconds``): Start and Steps renew it, a reaper drops
+what a dead gateway left behind, and a later Step for it answers NOT_FOUND (the gateway starts
+it again from its history).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import count
 
 import grpc
@@ -66,6 +69,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         vocab_size: int,
         budget: DraftBudget | None = None,
         verifier: VerifierLink | None = None,  # None: Step is refused
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.drafter = drafter
         self.config = config
@@ -78,6 +82,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self._start_ids = count()
         self.metrics = DrafterMetrics()
         self._lock = threading.Lock()
+        self._clock = clock
+        self._leases: dict[int, float] = {}  # seq id -> when its lease runs out (clock)
+        self.num_reclaimed = 0  # sequences whose lease ran out
+        self._reaper: threading.Thread | None = None
 
     @rpc_errors
     def Info(self, request, context) -> drafter_pb2.InfoResponse:
@@ -107,6 +115,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 self.drafter.start(seq_id, prompt, hidden, item.first_token, params)
                 self._committed[seq_id] = len(prompt)
                 self._starts[seq_id] = next(self._start_ids)
+                self._lease(seq_id)
                 self.metrics.started(item.resync)
             self.metrics.sequences.set(len(self._committed))
             self.receiver.end_batch()
@@ -126,6 +135,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         seq_ids = [item.ref.seq_id for item in items]
         if len(set(seq_ids)) != len(seq_ids):
             raise invalid("a sequence may appear once per Step call")
+        for seq_id in seq_ids:  # renew the held ones (an unknown one stays unknown)
+            if seq_id in self._leases:
+                self._lease(seq_id)
         if not 0 <= request.caller_hop_seconds <= codec.MAX_HOP_SECONDS:
             raise invalid(f"caller_hop_seconds must be in [0, {codec.MAX_HOP_SECONDS}]")
         self._check_tokens([item.next_token for item in items])
@@ -330,7 +342,48 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             self._drop(seq_id)
         self.metrics.sequences.set(len(self._committed))
 
+    def _lease(self, seq_id: int) -> None:
+        if self.config.lease_seconds > 0:
+            self._leases[seq_id] = self._clock() + self.config.lease_seconds
+
+    def reclaim_expired(self) -> list[int]:
+        """Drop every sequence whose lease ran out (its gateway is gone); the ids dropped."""
+        now = self._clock()
+        if not any(until <= now for until in list(self._leases.values())):
+            return []
+        with self._lock:
+            now = self._clock()
+            expired = [seq_id for seq_id, until in list(self._leases.items()) if until <= now]
+            self._drop_all(expired)
+            self.num_reclaimed += len(expired)
+        if expired:
+            log.warning(
+                "dropped %d sequence(s) unrenewed for %.0f s",
+                len(expired),
+                self.config.lease_seconds,
+            )
+        return expired
+
+    def start_lease_reaper(self, period: float | None = None) -> None:
+        """Reclaim expired leases from a daemon thread (default: every quarter lease, at most
+        1 s); a no-op without leases."""
+        if self.config.lease_seconds <= 0 or self._reaper is not None:
+            return
+        every = period if period is not None else min(1.0, self.config.lease_seconds / 4)
+
+        def reap() -> None:
+            while True:
+                time.sleep(every)
+                try:
+                    self.reclaim_expired()
+                except Exception:  # never let the reaper die on one failure
+                    log.exception("lease reclaim failed")
+
+        self._reaper = threading.Thread(target=reap, name="lease-reaper", daemon=True)
+        self._reaper.start()
+
     def _drop(self, seq_id: int) -> bool:
+        self._leases.pop(seq_id, None)
         self._starts.pop(seq_id, None)
         if self._committed.pop(seq_id, None) is None:
             return False
@@ -378,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     exit_with_parent()
     torch.set_num_threads(serving_threads(server_config.torch_threads))
     servicer = build_servicer(config, server_config)
+    servicer.start_lease_reaper()
 
     def add(server: grpc.Server) -> None:
         drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)

@@ -7,21 +7,25 @@ repeating a token; liveness turns NOT_SERVING when the compute thread stops maki
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.backend import GenerationRequest
 from gateway.remote import RemoteBackend
+from lyanna.drafters.ngram import NgramDrafter
 from lyanna.sampling import SamplingParams
 from lyanna.target import TargetConfig, TargetRunner
 from services.config import ServerConfig
-from services.hidden import HiddenSender
+from services.drafter.server import DrafterConfig, DrafterServicer
+from services.hidden import HiddenReceiver, HiddenSender
 from services.launch import launch
-from services.pb import verifier_pb2, verifier_pb2_grpc
+from services.pb import common_pb2, drafter_pb2, verifier_pb2, verifier_pb2_grpc
 from services.server import LIVENESS, READINESS, ComputeWatch, start_server
 from services.verifier.config import VerifierConfig
 from services.verifier.server import SERVICE_NAME, VerifierServicer
@@ -72,6 +76,30 @@ def test_an_unrenewed_slot_is_reclaimed_and_a_stepped_one_is_kept() -> None:
     assert aborted.value.args[0] == grpc.StatusCode.NOT_FOUND
     clock.now += 11  # sequence 2 stops stepping: its lease runs out as well
     assert servicer.reclaim_expired() == [2] and servicer.runner.num_free_slots == 2
+
+
+def test_a_dead_gateway_s_draft_state_is_dropped_after_its_lease() -> None:
+    """The drafter's per-sequence state is leased too: a killed gateway's sequences would
+    otherwise fill its slots, and every later sequence would decode target-only."""
+    clock = Clock()
+    config = DrafterConfig(method="ngram", depth=4, top_k=2, max_draft_tokens=6)
+    config = dataclasses.replace(config, lease_seconds=10.0)
+    receiver = HiddenReceiver(32, torch.float32)
+    servicer = DrafterServicer(NgramDrafter(config.shape()), config, receiver, 16, clock=clock)
+    for seq_id in (1, 2):
+        start = drafter_pb2.StartItem(
+            ref=common_pb2.SeqRef(seq_id=seq_id, num_committed=2), prompt_ids=[1, 2], first_token=1
+        )
+        servicer.Start(drafter_pb2.StartRequest(items=[start]), FakeContext())
+    clock.now += 6
+    servicer._lease(2)  # what a Step naming sequence 2 does
+    assert servicer.reclaim_expired() == []
+    clock.now += 5
+    assert servicer.reclaim_expired() == [1] and servicer.num_reclaimed == 1
+    release = common_pb2.ReleaseRequest(seq_ids=[1, 2])
+    assert servicer.Release(release, FakeContext()).num_released == 1  # 2 was still held
+    with pytest.raises(ValueError):
+        DrafterConfig(lease_seconds=-1)
 
 
 def test_no_lease_keeps_slots_until_released() -> None:
