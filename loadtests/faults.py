@@ -390,7 +390,9 @@ def run_faults(
             model_dir,
             method,
             verifier_args=(*verifier_args, *service_args),
-            drafter_args=service_args,
+            # the drafter's state is leased too (a killed gateway's would fill its slots);
+            # longer, since quiet steps do not renew it
+            drafter_args=("--lease-seconds", str(4 * lease_seconds), *service_args),
             log_dir=log_dir,
             startup_timeout=startup_timeout,
         ) as deployment:
