@@ -36,6 +36,9 @@ class TrainConfig:
     student_layers: int = 3  # SPS: decoder layers of the distilled student
     token_info: bool = True  # Lyanna ablation "w/o token info" when False
     fuse_first_token: bool = True  # Lyanna ablation "w/o first token" when False
+    # Lyanna: the parent token whose info biases step k >= 2: "teacher" (the true token) or
+    # "drafted" (the drafter's own first choice at step k - 1, what a chain drafts from)
+    info_parents: str = "teacher"
     # bookkeeping
     val_sequences: int = 64  # held-out sequences (the last ones of the data) without val_data
     val_data: str = ""  # comma-separated held-out runs (e.g. training.distill --split heldout)
@@ -62,6 +65,8 @@ class TrainConfig:
             raise ValueError("loss weights must be >= 0")
         if self.amp not in ("none", "bf16"):
             raise ValueError("amp must be none or bf16")
+        if self.info_parents not in ("teacher", "drafted"):
+            raise ValueError("info_parents must be teacher or drafted")
         if self.hot_vocab_tokens not in ("answers", "all"):
             raise ValueError("hot_vocab_tokens must be answers or all")
 

@@ -69,6 +69,7 @@ class LyannaTrainModel(nn.Module):
             alpha=self.train_config.regression_weight,
             beta=self.train_config.ce_weight,
             steps=self.train_config.unroll_steps,
+            drafted_parents=self.train_config.info_parents == "drafted",
         )
 
     def export(self) -> dict[str, torch.Tensor]:
@@ -103,8 +104,13 @@ def draft_loss(
     alpha: float = 1.0,
     beta: float = 0.1,
     steps: int | None = None,
+    drafted_parents: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """alpha * MSE(h, H) + beta * CE(softmax(l'), softmax(L)) averaged over the chain steps.
+
+    The token-info bias of step i reads the parent token t_{j+i}: the true one, or with
+    ``drafted_parents`` (an ablation) from step 2 on the drafter's own first choice of step
+    i - 1 at the same anchor (no gradient flows through that choice).
 
     MSE covers every weighted position; the cross-entropy (over the hot vocabulary, target
     renormalised on it) and the top-1/top-3 agreement with the target's argmax cover the
@@ -117,6 +123,7 @@ def draft_loss(
     head = model.hot_head
     total = hidden.new_zeros(())
     metrics: dict[str, float] = {}
+    all_parents = None  # [B, valid] with drafted_parents: step i's parent at each anchor
     for i, y in enumerate(outputs, start=1):
         valid = T - 1 - i  # anchors j with j + i + 1 < T (the token to predict exists)
         if valid <= 0:
@@ -126,7 +133,12 @@ def draft_loss(
         w = weight[:, i + 1 : i + 1 + valid]  # weight of the token being predicted
         mse = ((pred - target_h).pow(2).mean(-1) * w).sum() / w.sum().clamp_min(1.0)
         answer = w >= 1.0
-        parents = tokens[:, i : i + valid][answer]
+        step_parents = tokens[:, i : i + valid]
+        if drafted_parents and all_parents is not None:
+            step_parents = all_parents[:, :valid]
+        if drafted_parents:  # the next step's parents: this step's first choice everywhere
+            all_parents = first_choices(model, pred.detach(), step_parents)
+        parents = step_parents[answer]
         rows, targets = pred[answer], target_h[answer]
         out = fused_hot_ce(rows, head, targets, torch.ones_like(parents, dtype=torch.float32),
                            token_info_factors(model, parents))  # fmt: skip
@@ -143,3 +155,18 @@ def draft_loss(
                 full = full_vocab_hits(draft_ids, targets, model.embedding)
                 metrics[f"top1_full_{i}"] = float(full.mean()) if full.numel() else 0.0
     return total / len(outputs), metrics
+
+
+@torch.no_grad()
+def first_choices(model: LyannaDraftModel, pred: torch.Tensor, parents: torch.Tensor,
+                  chunk: int = 1024) -> torch.Tensor:  # fmt: skip
+    """The token id the drafter ranks first at each row of ``pred`` [B, V, n] with the info of
+    ``parents`` [B, V]: [B, V] int64 (chunked: no [B * V, num_hot] logits at once)."""
+    rows, flat = pred.reshape(-1, pred.shape[-1]), parents.reshape(-1)
+    out = torch.empty(flat.shape[0], dtype=torch.int64, device=pred.device)
+    head = model.hot_head
+    for start in range(0, flat.shape[0], chunk):
+        s = slice(start, start + chunk)
+        logits = rows[s].float() @ head.T + model.token_info(flat[s])
+        out[s] = model.hot_ids[logits.argmax(-1)]
+    return out.view(parents.shape)

@@ -143,3 +143,28 @@ def test_entry_point_writes_top1_per_step_for_each_drafter(tmp_path, monkeypatch
     again = evaluate([Drafter("l", "lyanna", lyanna)], batches, model.embed_tokens.weight.float(),
                      model.config)  # fmt: skip
     assert again["l"]["top1"] == written["lyanna"]["top1"]
+
+
+def test_drafted_parents_ablation_reads_the_step_before_first_choices() -> None:
+    """``--info-parents drafted``: step 1 is unchanged; from step 2 on the token info reads
+    the drafter's own first choice of the step before (``first_choices``, checked against
+    the evaluator's independent ``lyanna_first_choices``), which changes the loss."""
+    from training.lyanna import draft_loss, first_choices
+
+    model = make_tiny_model(5, vocab_size=VOCAB)
+    trainer = _trained("lyanna", model, 4)
+    draft = trainer.draft
+    batch = collate(_sequences(2, 5), TrainConfig(batch_tokens=512, max_seq_len=32))
+    T = batch.tokens.shape[1]
+    with torch.no_grad():
+        y1 = draft.unrolled(batch.hidden, batch.tokens, 1)[0][:, : T - 2]
+        mine = first_choices(draft, y1, batch.tokens[:, 1 : T - 1])
+        theirs = lyanna_first_choices(trainer, batch, 1)[0][:, 1 : T - 1]
+        assert torch.equal(mine, theirs)
+        args = (draft, batch.hidden, batch.tokens, batch.weight)
+        teacher = draft_loss(*args, steps=3)
+        drafted = draft_loss(*args, steps=3, drafted_parents=True)
+    assert drafted[1]["ce1"] == teacher[1]["ce1"] and drafted[1]["mse2"] == teacher[1]["mse2"]
+    assert drafted[1]["ce2"] != teacher[1]["ce2"]
+    with pytest.raises(ValueError):
+        TrainConfig(info_parents="sampled")
