@@ -79,6 +79,8 @@ class _Lane:
 class RemoteBackend(Admission):
     """``GenerationBackend`` over the gRPC services (see the module docstring)."""
 
+    supports_logprobs = True  # the verifier returns them (VerifyResult.logprobs)
+
     def __init__(
         self,
         config: RemoteConfig,
@@ -362,7 +364,10 @@ class RemoteBackend(Admission):
         self.scheduler.record_drafter_facts([item], {seq.seq_id: resampled})
         method = seq.sequence.method
         facts = StepFacts(method, part.num_drafted, part.num_accepted, resampled, **timing)
-        seq.deliver(TokenDelta(item.tokens, seq.sequence.finish_reason, facts))
+        logprobs = None
+        if part.logprobs:  # one per verdict token; the emitted tokens are a prefix of them
+            logprobs = [codec.decode_logprob(e) for e in part.logprobs[: len(item.tokens)]]
+        seq.deliver(TokenDelta(item.tokens, seq.sequence.finish_reason, facts, logprobs=logprobs))
 
     def _learn(
         self, seq: RemoteSeq, result: verifier_pb2.VerifyResult, direct: bool = False

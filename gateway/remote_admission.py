@@ -196,8 +196,16 @@ class Admission:
                 seq.next_token = result.first_token
                 item = self.scheduler.postprocess_prefill(seq.sequence, result.first_token)
                 prompt_tokens = len(seq.sequence.prompt_ids)
+                logprobs = None
+                if result.HasField("first_logprob"):
+                    logprobs = [codec.decode_logprob(result.first_logprob)][: len(item.tokens)]
                 seq.deliver(
-                    TokenDelta(item.tokens, seq.sequence.finish_reason, prompt_tokens=prompt_tokens)
+                    TokenDelta(
+                        item.tokens,
+                        seq.sequence.finish_reason,
+                        prompt_tokens=prompt_tokens,
+                        logprobs=logprobs,
+                    )
                 )
             if seq.sequence.finished or seq.cancelled:
                 finished.append(seq)

@@ -160,6 +160,7 @@ def split_steps(result: verifier_pb2.VerifyResult) -> list[verifier_pb2.VerifyRe
             ref=common_pb2.SeqRef(seq_id=result.ref.seq_id, num_committed=before + end),
             committed=result.committed[start:end],
             tokens=result.tokens[start:end],
+            logprobs=result.logprobs[start:end],
             num_accepted=accepted[step],
             num_drafted=drafted[step],
         )

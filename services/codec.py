@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 import lyanna.drafters
-from lyanna.sampling import SamplingParams
+from lyanna.sampling import SamplingParams, TokenLogprob
 from lyanna.tree import DraftScheme, TokenTree
 from services.pb import common_pb2
 
@@ -173,7 +173,25 @@ def encode_params(params: SamplingParams) -> common_pb2.SamplingParams:
     )
     if params.seed is not None:
         message.seed = params.seed
+    if params.logprobs is not None:
+        message.top_logprobs = params.logprobs
     return message
+
+
+def encode_logprob(entry: TokenLogprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(
+        token=entry.token,
+        logprob=entry.logprob,
+        top_tokens=[t for t, _ in entry.top],
+        top_logprobs=[lp for _, lp in entry.top],
+    )
+
+
+def decode_logprob(message: common_pb2.TokenLogprob) -> TokenLogprob:
+    if len(message.top_tokens) != len(message.top_logprobs):
+        raise WireError("a token's logprob needs one value per alternative")
+    top = tuple(zip(message.top_tokens, message.top_logprobs, strict=True))
+    return TokenLogprob(message.token, message.logprob, top)
 
 
 def decode_params(message: common_pb2.SamplingParams) -> SamplingParams:
@@ -188,6 +206,7 @@ def decode_params(message: common_pb2.SamplingParams) -> SamplingParams:
             frequency_penalty=message.frequency_penalty,
             logit_bias=tuple(sorted(message.logit_bias.items())),
             top_k=message.top_k,
+            logprobs=message.top_logprobs if message.HasField("top_logprobs") else None,
         )
     except ValueError as error:
         raise WireError(f"invalid sampling parameters: {error}") from None

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16lyanna/v1/common.proto\x12\tlyanna.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"d\n\x0cHiddenStates\x12#\n\x06tensor\x18\x01 \x01(\x0b\x32\x11.lyanna.v1.TensorH\x00\x12$\n\x05plane\x18\x02 \x01(\x0b\x32\x13.lyanna.v1.PlaneRefH\x00\x42\t\n\x07payload\"f\n\x08PlaneRef\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\x12\n\nrow_offset\x18\x02 \x01(\r\x12\x10\n\x08num_rows\x18\x03 \x01(\r\x12\x12\n\ntotal_rows\x18\x04 \x01(\r\x12\x0b\n\x03mac\x18\x05 \x01(\x0c\"/\n\x06SeqRef\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x15\n\rnum_committed\x18\x02 \x01(\r\"\xd2\x01\n\tTokenTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x03\x12\x0f\n\x07parents\x18\x02 \x03(\x03\x12&\n\x06scheme\x18\x03 \x01(\x0e\x32\x16.lyanna.v1.DraftScheme\x12,\n\x11\x64raft_token_probs\x18\x04 \x01(\x0b\x32\x11.lyanna.v1.Tensor\x12&\n\x0b\x64raft_probs\x18\x05 \x01(\x0b\x32\x11.lyanna.v1.Tensor\x12&\n\x0bvocab_index\x18\x06 \x01(\x0b\x32\x11.lyanna.v1.Tensor\"\x98\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x01\x12<\n\nlogit_bias\x18\x07 \x03(\x0b\x32(.lyanna.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05top_k\x18\x08 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seed\"0\n\x0eReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04J\x04\x08\x02\x10\x03R\x07\x64iscard\"\'\n\x0fReleaseResponse\x12\x14\n\x0cnum_released\x18\x01 \x01(\r*\x9e\x01\n\x0b\x44raftScheme\x12\x1c\n\x18\x44RAFT_SCHEME_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x44RAFT_SCHEME_CHAIN_SAMPLED\x10\x01\x12\x14\n\x10\x44RAFT_SCHEME_IID\x10\x02\x12$\n DRAFT_SCHEME_WITHOUT_REPLACEMENT\x10\x03\x12\x15\n\x11\x44RAFT_SCHEME_TOPK\x10\x04*t\n\x05Limit\x12\x15\n\x11LIMIT_UNSPECIFIED\x10\x00\x12\x19\n\x15LIMIT_MAX_QUIET_STEPS\x10@\x12\x1a\n\x16LIMIT_MAX_VERIFY_STEPS\x10@\x12\x19\n\x15LIMIT_MAX_HOP_SECONDS\x10<\x1a\x02\x10\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16lyanna/v1/common.proto\x12\tlyanna.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"d\n\x0cHiddenStates\x12#\n\x06tensor\x18\x01 \x01(\x0b\x32\x11.lyanna.v1.TensorH\x00\x12$\n\x05plane\x18\x02 \x01(\x0b\x32\x13.lyanna.v1.PlaneRefH\x00\x42\t\n\x07payload\"f\n\x08PlaneRef\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\x12\n\nrow_offset\x18\x02 \x01(\r\x12\x10\n\x08num_rows\x18\x03 \x01(\r\x12\x12\n\ntotal_rows\x18\x04 \x01(\r\x12\x0b\n\x03mac\x18\x05 \x01(\x0c\"/\n\x06SeqRef\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x15\n\rnum_committed\x18\x02 \x01(\r\"\xd2\x01\n\tTokenTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x03\x12\x0f\n\x07parents\x18\x02 \x03(\x03\x12&\n\x06scheme\x18\x03 \x01(\x0e\x32\x16.lyanna.v1.DraftScheme\x12,\n\x11\x64raft_token_probs\x18\x04 \x01(\x0b\x32\x11.lyanna.v1.Tensor\x12&\n\x0b\x64raft_probs\x18\x05 \x01(\x0b\x32\x11.lyanna.v1.Tensor\x12&\n\x0bvocab_index\x18\x06 \x01(\x0b\x32\x11.lyanna.v1.Tensor\"\xc4\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x01\x12<\n\nlogit_bias\x18\x07 \x03(\x0b\x32(.lyanna.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05top_k\x18\x08 \x01(\r\x12\x19\n\x0ctop_logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\x0f\n\r_top_logprobs\"X\n\x0cTokenLogprob\x12\r\n\x05token\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x12\n\ntop_tokens\x18\x03 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x01\"0\n\x0eReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04J\x04\x08\x02\x10\x03R\x07\x64iscard\"\'\n\x0fReleaseResponse\x12\x14\n\x0cnum_released\x18\x01 \x01(\r*\x9e\x01\n\x0b\x44raftScheme\x12\x1c\n\x18\x44RAFT_SCHEME_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x44RAFT_SCHEME_CHAIN_SAMPLED\x10\x01\x12\x14\n\x10\x44RAFT_SCHEME_IID\x10\x02\x12$\n DRAFT_SCHEME_WITHOUT_REPLACEMENT\x10\x03\x12\x15\n\x11\x44RAFT_SCHEME_TOPK\x10\x04*t\n\x05Limit\x12\x15\n\x11LIMIT_UNSPECIFIED\x10\x00\x12\x19\n\x15LIMIT_MAX_QUIET_STEPS\x10@\x12\x1a\n\x16LIMIT_MAX_VERIFY_STEPS\x10@\x12\x19\n\x15LIMIT_MAX_HOP_SECONDS\x10<\x1a\x02\x10\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,10 +35,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LIMIT']._serialized_options = b'\020\001'
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_DRAFTSCHEME']._serialized_start=934
-  _globals['_DRAFTSCHEME']._serialized_end=1092
-  _globals['_LIMIT']._serialized_start=1094
-  _globals['_LIMIT']._serialized_end=1210
+  _globals['_DRAFTSCHEME']._serialized_start=1068
+  _globals['_DRAFTSCHEME']._serialized_end=1226
+  _globals['_LIMIT']._serialized_start=1228
+  _globals['_LIMIT']._serialized_end=1344
   _globals['_TENSOR']._serialized_start=37
   _globals['_TENSOR']._serialized_end=89
   _globals['_HIDDENSTATES']._serialized_start=91
@@ -50,11 +50,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENTREE']._serialized_start=347
   _globals['_TOKENTREE']._serialized_end=557
   _globals['_SAMPLINGPARAMS']._serialized_start=560
-  _globals['_SAMPLINGPARAMS']._serialized_end=840
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=783
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=831
-  _globals['_RELEASEREQUEST']._serialized_start=842
-  _globals['_RELEASEREQUEST']._serialized_end=890
-  _globals['_RELEASERESPONSE']._serialized_start=892
-  _globals['_RELEASERESPONSE']._serialized_end=931
+  _globals['_SAMPLINGPARAMS']._serialized_end=884
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=810
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=858
+  _globals['_TOKENLOGPROB']._serialized_start=886
+  _globals['_TOKENLOGPROB']._serialized_end=974
+  _globals['_RELEASEREQUEST']._serialized_start=976
+  _globals['_RELEASEREQUEST']._serialized_end=1024
+  _globals['_RELEASERESPONSE']._serialized_start=1026
+  _globals['_RELEASERESPONSE']._serialized_end=1065
 # @@protoc_insertion_point(module_scope)

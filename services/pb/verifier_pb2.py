@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.pb import common_pb2 as lyanna_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18lyanna/v1/verifier.proto\x12\tlyanna.v1\x1a\x16lyanna/v1/common.proto\"\xaf\x01\n\x0bPrefillItem\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.lyanna.v1.SamplingParams\x12\x15\n\rreturn_hidden\x18\x04 \x01(\x08\x12\x17\n\nnext_token\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nprompt_len\x18\x06 \x01(\rB\r\n\x0b_next_token\"7\n\x0ePrefillRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.lyanna.v1.PrefillItem\"t\n\rPrefillResult\x12\x1e\n\x03ref\x18\x01 \x01(\x0b\x32\x11.lyanna.v1.SeqRef\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x03\x12.\n\rprompt_hidden\x18\x03 \x01(\x0b\x32\x17.lyanna.v1.HiddenStates\"U\n\x0fPrefillResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.lyanna.v1.PrefillResult\x12\x17\n\x0f\x66orward_seconds\x18\x02 \x01(\x01\"\xb4\x01\n\nVerifyItem\x12\x1e\n\x03ref\x18\x01 \x01(\x0b\x32\x11.lyanna.v1.SeqRef\x12\"\n\x04tree\x18\x02 \x01(\x0b\x32\x14.lyanna.v1.TokenTree\x12\x15\n\rreturn_hidden\x18\x05 \x01(\x08\x12\r\n\x05steps\x18\x06 \x01(\r\x12\x13\n\x0b\x66ree_drafts\x18\x07 \x01(\x08J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05R\tresampledR\x10max_draft_tokens\"M\n\rVerifyRequest\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.lyanna.v1.VerifyItem\x12\x16\n\x0euse_data_plane\x18\x02 \x01(\x08\"\x84\x02\n\x0cVerifyResult\x12\x1e\n\x03ref\x18\x01 \x01(\x0b\x32\x11.lyanna.v1.SeqRef\x12\x11\n\tcommitted\x18\x02 \x03(\x03\x12\x0e\n\x06tokens\x18\x03 \x03(\x03\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\r\x12\x1d\n\x15num_drafted_per_depth\x18\x05 \x03(\r\x12\'\n\x06hidden\x18\x06 \x01(\x0b\x32\x17.lyanna.v1.HiddenStates\x12\x13\n\x0bnum_drafted\x18\x07 \x01(\r\x12\x11\n\tnum_steps\x18\x08 \x01(\r\x12\x15\n\rstep_accepted\x18\t \x03(\r\x12\x14\n\x0cstep_drafted\x18\n \x03(\r\"S\n\x0eVerifyResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.lyanna.v1.VerifyResult\x12\x17\n\x0f\x66orward_seconds\x18\x02 \x01(\x01\"\x11\n\x0f\x43\x61pacityRequest\"\xc6\x01\n\x10\x43\x61pacityResponse\x12\x12\n\nfree_slots\x18\x01 \x01(\r\x12\x13\n\x0btotal_slots\x18\x02 \x01(\r\x12\x0f\n\x07max_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x13\n\x0bhidden_size\x18\x05 \x01(\r\x12\r\n\x05model\x18\x06 \x01(\t\x12\x14\n\x0chidden_dtype\x18\x07 \x01(\t\x12\x15\n\rreserved_rows\x18\x08 \x01(\r\x12\x13\n\x0b\x66ree_drafts\x18\t \x01(\x08\x32\x92\x02\n\x08Verifier\x12@\n\x07Prefill\x12\x19.lyanna.v1.PrefillRequest\x1a\x1a.lyanna.v1.PrefillResponse\x12=\n\x06Verify\x12\x18.lyanna.v1.VerifyRequest\x1a\x19.lyanna.v1.VerifyResponse\x12@\n\x07Release\x12\x19.lyanna.v1.ReleaseRequest\x1a\x1a.lyanna.v1.ReleaseResponse\x12\x43\n\x08\x43\x61pacity\x12\x1a.lyanna.v1.CapacityRequest\x1a\x1b.lyanna.v1.CapacityResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18lyanna/v1/verifier.proto\x12\tlyanna.v1\x1a\x16lyanna/v1/common.proto\"\xaf\x01\n\x0bPrefillItem\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.lyanna.v1.SamplingParams\x12\x15\n\rreturn_hidden\x18\x04 \x01(\x08\x12\x17\n\nnext_token\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nprompt_len\x18\x06 \x01(\rB\r\n\x0b_next_token\"7\n\x0ePrefillRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.lyanna.v1.PrefillItem\"\xa4\x01\n\rPrefillResult\x12\x1e\n\x03ref\x18\x01 \x01(\x0b\x32\x11.lyanna.v1.SeqRef\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x03\x12.\n\rprompt_hidden\x18\x03 \x01(\x0b\x32\x17.lyanna.v1.HiddenStates\x12.\n\rfirst_logprob\x18\x04 \x01(\x0b\x32\x17.lyanna.v1.TokenLogprob\"U\n\x0fPrefillResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.lyanna.v1.PrefillResult\x12\x17\n\x0f\x66orward_seconds\x18\x02 \x01(\x01\"\xb4\x01\n\nVerifyItem\x12\x1e\n\x03ref\x18\x01 \x01(\x0b\x32\x11.lyanna.v1.SeqRef\x12\"\n\x04tree\x18\x02 \x01(\x0b\x32\x14.lyanna.v1.TokenTree\x12\x15\n\rreturn_hidden\x18\x05 \x01(\x08\x12\r\n\x05steps\x18\x06 \x01(\r\x12\x13\n\x0b\x66ree_drafts\x18\x07 \x01(\x08J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05R\tresampledR\x10max_draft_tokens\"M\n\rVerifyRequest\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.lyanna.v1.VerifyItem\x12\x16\n\x0euse_data_plane\x18\x02 \x01(\x08\"\xaf\x02\n\x0cVerifyResult\x12\x1e\n\x03ref\x18\x01 \x01(\x0b\x32\x11.lyanna.v1.SeqRef\x12\x11\n\tcommitted\x18\x02 \x03(\x03\x12\x0e\n\x06tokens\x18\x03 \x03(\x03\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\r\x12\x1d\n\x15num_drafted_per_depth\x18\x05 \x03(\r\x12\'\n\x06hidden\x18\x06 \x01(\x0b\x32\x17.lyanna.v1.HiddenStates\x12\x13\n\x0bnum_drafted\x18\x07 \x01(\r\x12\x11\n\tnum_steps\x18\x08 \x01(\r\x12\x15\n\rstep_accepted\x18\t \x03(\r\x12\x14\n\x0cstep_drafted\x18\n \x03(\r\x12)\n\x08logprobs\x18\x0b \x03(\x0b\x32\x17.lyanna.v1.TokenLogprob\"S\n\x0eVerifyResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.lyanna.v1.VerifyResult\x12\x17\n\x0f\x66orward_seconds\x18\x02 \x01(\x01\"\x11\n\x0f\x43\x61pacityRequest\"\xc6\x01\n\x10\x43\x61pacityResponse\x12\x12\n\nfree_slots\x18\x01 \x01(\r\x12\x13\n\x0btotal_slots\x18\x02 \x01(\r\x12\x0f\n\x07max_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x13\n\x0bhidden_size\x18\x05 \x01(\r\x12\r\n\x05model\x18\x06 \x01(\t\x12\x14\n\x0chidden_dtype\x18\x07 \x01(\t\x12\x15\n\rreserved_rows\x18\x08 \x01(\r\x12\x13\n\x0b\x66ree_drafts\x18\t \x01(\x08\x32\x92\x02\n\x08Verifier\x12@\n\x07Prefill\x12\x19.lyanna.v1.PrefillRequest\x1a\x1a.lyanna.v1.PrefillResponse\x12=\n\x06Verify\x12\x18.lyanna.v1.VerifyRequest\x1a\x19.lyanna.v1.VerifyResponse\x12@\n\x07Release\x12\x19.lyanna.v1.ReleaseRequest\x1a\x1a.lyanna.v1.ReleaseResponse\x12\x43\n\x08\x43\x61pacity\x12\x1a.lyanna.v1.CapacityRequest\x1a\x1b.lyanna.v1.CapacityResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,22 +36,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLITEM']._serialized_end=239
   _globals['_PREFILLREQUEST']._serialized_start=241
   _globals['_PREFILLREQUEST']._serialized_end=296
-  _globals['_PREFILLRESULT']._serialized_start=298
-  _globals['_PREFILLRESULT']._serialized_end=414
-  _globals['_PREFILLRESPONSE']._serialized_start=416
-  _globals['_PREFILLRESPONSE']._serialized_end=501
-  _globals['_VERIFYITEM']._serialized_start=504
-  _globals['_VERIFYITEM']._serialized_end=684
-  _globals['_VERIFYREQUEST']._serialized_start=686
-  _globals['_VERIFYREQUEST']._serialized_end=763
-  _globals['_VERIFYRESULT']._serialized_start=766
-  _globals['_VERIFYRESULT']._serialized_end=1026
-  _globals['_VERIFYRESPONSE']._serialized_start=1028
-  _globals['_VERIFYRESPONSE']._serialized_end=1111
-  _globals['_CAPACITYREQUEST']._serialized_start=1113
-  _globals['_CAPACITYREQUEST']._serialized_end=1130
-  _globals['_CAPACITYRESPONSE']._serialized_start=1133
-  _globals['_CAPACITYRESPONSE']._serialized_end=1331
-  _globals['_VERIFIER']._serialized_start=1334
-  _globals['_VERIFIER']._serialized_end=1608
+  _globals['_PREFILLRESULT']._serialized_start=299
+  _globals['_PREFILLRESULT']._serialized_end=463
+  _globals['_PREFILLRESPONSE']._serialized_start=465
+  _globals['_PREFILLRESPONSE']._serialized_end=550
+  _globals['_VERIFYITEM']._serialized_start=553
+  _globals['_VERIFYITEM']._serialized_end=733
+  _globals['_VERIFYREQUEST']._serialized_start=735
+  _globals['_VERIFYREQUEST']._serialized_end=812
+  _globals['_VERIFYRESULT']._serialized_start=815
+  _globals['_VERIFYRESULT']._serialized_end=1118
+  _globals['_VERIFYRESPONSE']._serialized_start=1120
+  _globals['_VERIFYRESPONSE']._serialized_end=1203
+  _globals['_CAPACITYREQUEST']._serialized_start=1205
+  _globals['_CAPACITYREQUEST']._serialized_end=1222
+  _globals['_CAPACITYRESPONSE']._serialized_start=1225
+  _globals['_CAPACITYRESPONSE']._serialized_end=1423
+  _globals['_VERIFIER']._serialized_start=1426
+  _globals['_VERIFIER']._serialized_end=1700
 # @@protoc_insertion_point(module_scope)

@@ -30,14 +30,16 @@ class PrefillRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[PrefillItem, _Mapping]]] = ...) -> None: ...
 
 class PrefillResult(_message.Message):
-    __slots__ = ("ref", "first_token", "prompt_hidden")
+    __slots__ = ("ref", "first_token", "prompt_hidden", "first_logprob")
     REF_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     ref: _common_pb2.SeqRef
     first_token: int
     prompt_hidden: _common_pb2.HiddenStates
-    def __init__(self, ref: _Optional[_Union[_common_pb2.SeqRef, _Mapping]] = ..., first_token: _Optional[int] = ..., prompt_hidden: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ...) -> None: ...
+    first_logprob: _common_pb2.TokenLogprob
+    def __init__(self, ref: _Optional[_Union[_common_pb2.SeqRef, _Mapping]] = ..., first_token: _Optional[int] = ..., prompt_hidden: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("results", "forward_seconds")
@@ -70,7 +72,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ..., use_data_plane: _Optional[bool] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("ref", "committed", "tokens", "num_accepted", "num_drafted_per_depth", "hidden", "num_drafted", "num_steps", "step_accepted", "step_drafted")
+    __slots__ = ("ref", "committed", "tokens", "num_accepted", "num_drafted_per_depth", "hidden", "num_drafted", "num_steps", "step_accepted", "step_drafted", "logprobs")
     REF_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +83,7 @@ class VerifyResult(_message.Message):
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     STEP_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     STEP_DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ref: _common_pb2.SeqRef
     committed: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -91,7 +94,8 @@ class VerifyResult(_message.Message):
     num_steps: int
     step_accepted: _containers.RepeatedScalarFieldContainer[int]
     step_drafted: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, ref: _Optional[_Union[_common_pb2.SeqRef, _Mapping]] = ..., committed: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., num_drafted_per_depth: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., num_drafted: _Optional[int] = ..., num_steps: _Optional[int] = ..., step_accepted: _Optional[_Iterable[int]] = ..., step_drafted: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, ref: _Optional[_Union[_common_pb2.SeqRef, _Mapping]] = ..., committed: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., num_drafted_per_depth: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., num_drafted: _Optional[int] = ..., num_steps: _Optional[int] = ..., step_accepted: _Optional[_Iterable[int]] = ..., step_drafted: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("results", "forward_seconds")

@@ -116,6 +116,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         start = time.perf_counter()
         done: list[int] = []
         hidden: list[torch.Tensor | None] = []
+        firsts: list = []  # the first token's TokenLogprob list, when asked
 
         def work() -> list[verifier_pb2.PrefillResult]:
             try:
@@ -135,6 +136,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     first, prompt = prefilled.first_token, list(item.prompt_ids)
                     self.free.start(item.seq_id, prompt, first, item_params)
                     hidden.append(prefilled.hidden if item.return_hidden else None)
+                    firsts.append(prefilled.logprobs)
             except Exception:
                 for seq_id in done:
                     self._forget(seq_id)
@@ -153,8 +155,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     ref=common_pb2.SeqRef(seq_id=item.seq_id, num_committed=len(item.prompt_ids)),
                     first_token=self.runner.next_token(item.seq_id),
                     prompt_hidden=message,
+                    first_logprob=codec.encode_logprob(first[0]) if first else None,
                 )
-                for item, message in zip(items, encoded, strict=True)
+                for item, message, first in zip(items, encoded, firsts, strict=True)
             ]
 
         results = self._compute(work)
@@ -244,6 +247,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             num_drafted=first_tree.num_drafted,
             num_steps=len(runs),
         )
+        if all(v.logprobs is not None for _, v in runs):  # one per token, when asked
+            result.logprobs.extend(codec.encode_logprob(e) for _, v in runs for e in v.logprobs)
         if len(runs) > 1 and any(tree.num_drafted for tree, _ in runs):  # free drafts
             result.step_accepted.extend(v.verdict.num_accepted for _, v in runs)
             result.step_drafted.extend(tree.num_drafted for tree, _ in runs)
