@@ -50,6 +50,7 @@ from gateway.schemas import (
     chat_chunk,
     chat_logprobs,
     chat_response,
+    completion_logprobs,
     completion_response,
     usage,
 )
@@ -69,6 +70,7 @@ class Surface:
     ``usage`` field; ``lp``: a chat ``logprobs`` object or None)."""
 
     prefix: str
+    logprobs: Callable[[list, int], tuple[dict, int]]  # (entries, offset) -> (body, offset)
     whole: Callable[[str, str, str, dict, dict | None], dict]
     opening: Callable[[str, bool], list[dict]]
     piece: Callable[[str, str, bool, dict | None], dict]
@@ -248,13 +250,18 @@ def create_app(
     def token_text(token: int) -> str:
         return detokenize([token])
 
-    def logprobs_of(prepared: Prepared, entries: list) -> dict | None:
-        return None if prepared.logprobs is None else chat_logprobs(entries, token_text)
+    def chat_lp(entries: list, offset: int) -> tuple[dict, int]:
+        return chat_logprobs(entries, token_text), offset
+
+    def completion_lp(entries: list, offset: int) -> tuple[dict, int]:
+        body = completion_logprobs(entries, token_text, offset)
+        return body, offset + sum(len(t) for t in body["tokens"])
 
     model = config.model_name
     surfaces = {
         "chat": Surface(
             prefix="chatcmpl",
+            logprobs=chat_lp,
             whole=lambda rid, text, finish, use, lp: chat_response(
                 rid, model, text, finish, use, lp
             ),
@@ -271,15 +278,16 @@ def create_app(
         ),
         "completion": Surface(
             prefix="cmpl",
+            logprobs=completion_lp,
             whole=lambda rid, text, finish, use, lp: completion_response(
-                rid, model, text, finish, use
+                rid, model, text, finish, use, lp
             ),
             opening=lambda rid, with_usage: [],
             piece=lambda rid, text, with_usage, lp: completion_response(
-                rid, model, text, None, None
+                rid, model, text, None, None, lp
             ),
             final=lambda rid, finish, with_usage, lp: completion_response(
-                rid, model, "", finish, None
+                rid, model, "", finish, None, lp
             ),
             usage_only=lambda rid, use: {
                 **completion_response(rid, model, "", None, use),
@@ -303,19 +311,27 @@ def create_app(
         # the response id carries the request id, so a client's X-Request-Id finds its answer
         rid = f"{surface.prefix}-{request_id}"
         with_usage = body.include_usage
+        offset = 0  # characters of output the logprobs covered so far (completions' offsets)
+
+        def logprobs_of(entries: list) -> dict | None:
+            nonlocal offset
+            if prepared.logprobs is None:
+                return None
+            body, offset = surface.logprobs(entries, offset)
+            return body
 
         async def chunks(generation: Generation) -> AsyncIterator[str]:
             for opening in surface.opening(rid, with_usage):
                 yield sse(opening)
             try:
                 async for piece in generation.texts():
-                    lp = logprobs_of(prepared, generation.unsent_logprobs())
+                    lp = logprobs_of(generation.unsent_logprobs())
                     yield sse(surface.piece(rid, piece, with_usage, lp))
             except (APIError, RuntimeError, ValueError) as err:
                 yield sse(stream_error(err))
                 yield SSE_DONE
                 return
-            lp = logprobs_of(prepared, generation.unsent_logprobs())
+            lp = logprobs_of(generation.unsent_logprobs())
             yield sse(surface.final(rid, generation.finish_reason, with_usage, lp))
             if with_usage:
                 yield sse(surface.usage_only(rid, usage_of(generation)))
@@ -334,7 +350,7 @@ def create_app(
         except ClientGone:
             return Response(status_code=499)
         finish = generation.finish_reason or "stop"
-        lp = logprobs_of(prepared, generation.logprobs)
+        lp = logprobs_of(generation.logprobs)
         answer = surface.whole(rid, text, finish, usage_of(generation), lp)
         return JSONResponse(answer, headers=headers(prepared, generation))
 

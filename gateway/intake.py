@@ -71,11 +71,8 @@ class RequestBuilder:
         self._check_common(body)
         if body.echo:
             raise invalid("echo is not supported", "echo")
-        if body.logprobs is not None:
-            raise invalid(
-                "logprobs are not supported on /v1/completions (chat completions have them)",
-                "logprobs",
-            )
+        if body.logprobs is not None and not getattr(self.backend, "supports_logprobs", False):
+            raise invalid("logprobs are not supported by this deployment mode", "logprobs")
         if isinstance(body.prompt, str):
             prompt_ids = await asyncio.to_thread(self.tokenizer.encode, body.prompt)
         else:
@@ -83,7 +80,9 @@ class RequestBuilder:
             if any(not 0 <= t < vocab for t in body.prompt):
                 raise invalid(f"prompt token ids must be in [0, {vocab})", "prompt")
             prompt_ids = list(body.prompt)
-        return self._prepare(body, list(prompt_ids), "prompt", header_method, request_id)
+        return self._prepare(
+            body, list(prompt_ids), "prompt", header_method, request_id, body.logprobs
+        )
 
     def _check_common(self, body: ChatCompletionRequest | CompletionRequest) -> None:
         if body.model is not None and body.model != self.config.model_name:

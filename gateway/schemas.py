@@ -5,10 +5,10 @@ No field is accepted and ignored: an unknown field is a 400 naming it (as OpenAI
 "Unrecognized request argument"), and so is a known one Lyanna does not implement (tools,
 ``response_format``, ``suffix``, ``n`` > 1, ``best_of`` > 1): a client asking for JSON mode
 or tool calls must not get free text with a 200. The logits processors (``presence_penalty``,
-``frequency_penalty``, ``logit_bias``, ``top_k``) and chat ``logprobs`` / ``top_logprobs``
-are implemented (``lyanna.sampling``). ``lyanna_method`` picks the speculative method of one
-request (experiments); the usage block carries a ``lyanna`` extra with the method and the
-request's mean acceptance length.
+``frequency_penalty``, ``logit_bias``, ``top_k``), chat ``logprobs`` / ``top_logprobs`` and
+completions ``logprobs`` (0-5 alternatives) are implemented (``lyanna.sampling``).
+``lyanna_method`` picks the speculative method of one request (experiments); the usage block
+carries a ``lyanna`` extra with the method and the request's mean acceptance length.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class CompletionRequest(_Generation):
     prompt: str | list[int]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
     echo: bool | None = False
-    logprobs: int | None = Field(default=None, ge=0, le=5)  # refused: chat has logprobs
+    logprobs: int | None = Field(default=None, ge=0, le=5)  # alternatives per token
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
 
@@ -200,8 +200,30 @@ def chat_logprobs(entries: list, token_text) -> dict:
     }
 
 
+def completion_logprobs(entries: list, token_text, offset: int) -> dict:
+    """The legacy completions ``logprobs`` object (``tokens``, ``token_logprobs``,
+    ``top_logprobs`` as token -> logprob maps, ``text_offset``: each token's character offset in
+    the output, counted from ``offset``)."""
+    tokens = [token_text(e.token) for e in entries]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{token_text(t): lp for t, lp in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
 def completion_response(
-    rid: str, model: str, text: str, finish_reason: str | None, usage_: dict | None
+    rid: str,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    usage_: dict | None,
+    logprobs: dict | None = None,
 ) -> dict:
     """A ``text_completion`` (also each streamed chunk: ``finish_reason`` None until the end,
     ``usage`` only where it belongs)."""
@@ -210,7 +232,9 @@ def completion_response(
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [
+            {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        ],
     }
     if usage_ is not None:
         body["usage"] = usage_

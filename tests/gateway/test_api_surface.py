@@ -45,7 +45,7 @@ UNSUPPORTED_CHAT = [
     ("parallel_tool_calls", True),
     ("response_format", {"type": "json_object"}),
 ]
-UNSUPPORTED_COMPLETIONS = [("suffix", "tail"), ("best_of", 2), ("logprobs", 1), ("echo", True)]
+UNSUPPORTED_COMPLETIONS = [("suffix", "tail"), ("best_of", 2), ("echo", True)]
 UNKNOWN = ["metadata", "store", "service_tier", "frobnicate"]
 
 
@@ -181,6 +181,32 @@ def test_chat_logprobs_are_the_models_log_softmax(http, loaded) -> None:
     assert [e["token"] for e in streamed] == [e["token"] for e in content]
 
 
+def test_completion_logprobs_in_the_legacy_format(http, loaded) -> None:
+    prompt_ids = loaded.tokenizer.encode(PROMPT)
+    body = completion_body(prompt=prompt_ids, max_tokens=6, temperature=0, logprobs=2)
+    choice = http.post(COMPLETIONS, json=body).json()["choices"][0]
+    lp = choice["logprobs"]
+    output = reference_greedy(loaded, prompt_ids, 6)
+    assert lp["tokens"] == [loaded.tokenizer.decode([t]) for t in output]
+    assert "".join(lp["tokens"]) == choice["text"]
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(6)]
+    for i, (value, top) in enumerate(zip(lp["token_logprobs"], lp["top_logprobs"], strict=True)):
+        raw = prompt_logits(loaded.model, torch.tensor([prompt_ids + output[:i]]))[-1]
+        logp = torch.log_softmax(raw.double(), -1)
+        assert abs(value - float(logp[output[i]])) < 1e-3
+        assert 1 <= len(top) <= 2 and abs(max(top.values()) - float(logp.max())) < 1e-3
+    streamed: dict[str, list] = {"tokens": [], "text_offset": []}
+    with http.stream("POST", COMPLETIONS, json={**body, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                for c in httpx.Response(200, content=line[6:]).json()["choices"]:
+                    if c["logprobs"] is not None:
+                        streamed["tokens"] += c["logprobs"]["tokens"]
+                        streamed["text_offset"] += c["logprobs"]["text_offset"]
+    assert streamed == {"tokens": lp["tokens"], "text_offset": lp["text_offset"]}
+    assert_error(http.post(COMPLETIONS, json={**body, "logprobs": 6}), 400, "logprobs")
+
+
 def test_logprobs_without_backend_support_are_400(default_tokenizer) -> None:
     """Services mode (a backend without ``supports_logprobs``) refuses them, never ignores."""
     app = create_app(
@@ -191,6 +217,8 @@ def test_logprobs_without_backend_support_are_400(default_tokenizer) -> None:
     server = ThreadedServer(app).start()
     try:
         response = httpx.post(server.url + CHAT, json=chat_body(logprobs=True))
+        assert_error(response, 400, "logprobs")
+        response = httpx.post(server.url + COMPLETIONS, json=completion_body(logprobs=0))
         assert_error(response, 400, "logprobs")
     finally:
         server.stop()
