@@ -243,10 +243,37 @@ def argmax_rows(rows: torch.Tensor) -> list[int]:
     return rows.argmax(dim=-1).tolist()
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class OutputCounts:
+    """Each row's output history, sparse: ``base`` (the committed output, shared by every row)
+    plus, per (row, token) pair, the occurrences on that row's own tree path. Penalties then
+    touch only the tokens that occurred, never the whole vocabulary of every row."""
+
+    base: torch.Tensor  # [vocab] float32
+    rows: torch.Tensor | None = None  # [m] int64 row of each pair (pairs are distinct)
+    cols: torch.Tensor | None = None  # [m] int64 token of each pair
+    extra: torch.Tensor | None = None  # [m] float32 occurrences on the row's path
+
+
+def _penalize(out: torch.Tensor, params: SamplingParams, counts: OutputCounts) -> None:
+    """``out -= frequency * count + presence * (count > 0)`` in place, on occurring tokens."""
+    frequency, presence = params.frequency_penalty, params.presence_penalty
+    base = counts.base.to(out.device, torch.float32)
+    seen = base.nonzero().squeeze(-1)
+    if seen.numel():
+        out[..., seen] -= frequency * base[seen] + presence
+    if counts.rows is not None and counts.rows.numel():
+        rows, cols = counts.rows.to(out.device), counts.cols.to(out.device)
+        extra = counts.extra.to(out.device, torch.float32)
+        before = base[cols]
+        delta = frequency * extra + presence * ((before == 0) & (extra > 0)).float()
+        out.index_put_((rows, cols), -delta, accumulate=True)
+
+
 def process_logits(
     logits: torch.Tensor,  # [n, vocab]
     params: SamplingParams,
-    counts: torch.Tensor | None = None,  # [n, vocab] or [vocab]: output occurrences per row
+    counts: OutputCounts | torch.Tensor | None = None,  # a tensor: [vocab] for every row
 ) -> torch.Tensor:  # [n, vocab] float32 (a new tensor; the input is never changed)
     """The request's logits processors (penalties, bias, top-k; see the module docstring).
     ``counts`` is required when penalties are on: a missing history is an error, never a
@@ -255,11 +282,9 @@ def process_logits(
     if params.penalized:
         if counts is None:
             raise ValueError("presence / frequency penalties need the output token counts")
-        counts = counts.to(out.device, torch.float32)
-        if params.frequency_penalty:
-            out -= params.frequency_penalty * counts
-        if params.presence_penalty:
-            out -= params.presence_penalty * (counts > 0).float()
+        if isinstance(counts, torch.Tensor):
+            counts = OutputCounts(counts)
+        _penalize(out, params, counts)
     if params.logit_bias:
         params.check_vocab(out.shape[-1])
         ids = torch.tensor([t for t, _ in params.logit_bias], device=out.device)
@@ -312,17 +337,19 @@ def path_counts(
     base: torch.Tensor,  # [vocab]: the committed output's counts
     tokens: list[int],  # the tree's tokens, root first
     paths: list[list[int]],  # per node, its path from the root (root and itself included)
-) -> torch.Tensor:  # [num_nodes, vocab]
+) -> OutputCounts:
     """Per tree node, the output history its row continues: the committed output plus every
     token on the node's own path (the root, the next token, included). Sibling branches never
     see each other's tokens."""
-    counts = base.expand(len(paths), -1).clone()
-    rows = [i for i, path in enumerate(paths) for _ in path]
-    cols = [tokens[j] for path in paths for j in path]
-    counts.index_put_(
-        (torch.tensor(rows), torch.tensor(cols)), torch.ones(len(rows)), accumulate=True
-    )
-    return counts
+    pairs: dict[tuple[int, int], int] = {}
+    for row, path in enumerate(paths):
+        for node in path:
+            key = (row, tokens[node])
+            pairs[key] = pairs.get(key, 0) + 1
+    rows = torch.tensor([r for r, _ in pairs], dtype=torch.int64)
+    cols = torch.tensor([t for _, t in pairs], dtype=torch.int64)
+    extra = torch.tensor(list(pairs.values()), dtype=torch.float32)
+    return OutputCounts(base, rows, cols, extra)
 
 
 def greedy_or_sample(

@@ -84,14 +84,19 @@ def spy_rows(monkeypatch) -> list[torch.Tensor]:
     captured: list[torch.Tensor] = []
     original = TargetRunner._rule
 
-    def spied(self, params, tree):
-        rule = original(self, params, tree)
+    class Spy:  # the rule itself for every attribute; its calls record their rows
+        def __init__(self, rule) -> None:
+            self.rule = rule
 
-        def call(tree, rows, generator=None):
+        def __getattr__(self, name: str):
+            return getattr(self.rule, name)
+
+        def __call__(self, tree, rows, generator=None):
             captured.append(rows.detach().clone())
-            return rule(tree, rows, generator)
+            return self.rule(tree, rows, generator)
 
-        return call
+    def spied(self, params, tree):
+        return Spy(original(self, params, tree))
 
     monkeypatch.setattr(TargetRunner, "_rule", spied)
     return captured
