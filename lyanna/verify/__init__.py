@@ -1,9 +1,12 @@
 """Lossless verification rules for speculative decoding: the interface, the registry and the
 pairing between drafting schemes and rules.
 
-Every rule is a pure function of a `TokenTree`, the processed target rows
-(`lyanna.sampling.logits_to_probs`, the same processing as the drafter's) and a
-`torch.Generator`, returning one `Verdict` per sequence; `branches` gives its exact output law.
+Every rule is a pure function of a `TokenTree`, the processed target rows (the request's
+logits processors, each row with its own path's output history, then temperature and top-p:
+`lyanna.sampling`) and a `torch.Generator`, returning one `Verdict` per sequence; `branches`
+gives its exact output law. The tree's draft rows need only be what each draft was really
+drawn from: a rule is lossless for any target rows, so a drafter that skips the processors
+still proposes losslessly.
 Which rule is lossless depends on how the tree was drafted (`DraftScheme`); each rule refuses
 trees drafted in a way it is not lossless for, `rule_for` picks the default rule of a scheme,
 and `choose_rule` refuses a configured rule that is not lossless for the tree's scheme at the
