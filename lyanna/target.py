@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lyanna.decode import prefill as prefill_prompt
+from lyanna.model.native_layers import causal_mask
 from lyanna.model.transformer import Transformer
 from lyanna.sampling import (
     SamplingParams,
@@ -29,6 +29,28 @@ from lyanna.sampling import (
 )
 from lyanna.tree import TokenTree, pack_trees
 from lyanna.verify import AcceptanceRule, Verdict, choose_rule, sampling_rule
+
+
+def prefill_prompt(
+    model: Transformer, prompt_ids: list[int], cache, slot: int, decoded: list[int] | None = None
+) -> torch.Tensor:  # [prompt_len + len(decoded), hidden]
+    """Fill the slot with the prompt and commit it; returns the prompt's hidden states.
+    ``decoded``: tokens already decoded after the prompt (a resumed sequence), run as one
+    causal chain after it, which computes them exactly as decoding did (a prompt's own
+    attention may round differently, see ``Transformer._native_forward``). Also
+    ``lyanna.decode.prefill``."""
+    device = model.embed_tokens.weight.device
+    slots = torch.tensor([slot])
+    hidden = []
+    for start, ids in ((0, prompt_ids), (len(prompt_ids), decoded or [])):
+        if not ids:
+            continue
+        tokens = torch.tensor([ids], dtype=torch.int64, device=device)
+        positions = (start + torch.arange(len(ids), device=device))[None]
+        chain = None if start == 0 else causal_mask(1, len(ids)).to(device)
+        hidden.append(model(tokens, positions, cache, slots, chain)[0])
+        cache.commit(slot, torch.arange(len(ids)))
+    return torch.cat(hidden)
 
 
 class UnknownSequenceError(KeyError):

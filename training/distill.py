@@ -10,10 +10,12 @@ Two outputs per run, one job each:
   ``training.data`` format every trainer reads): written by generation; ``materialize`` rebuilds
   missing ones from the ids by batched prefill.
 
-Generation is continuous batching over one KV cache on a CPU: a finished sequence's slot takes
-the next prompt at once, so the batch stays full until the queue runs dry (``--engine static``,
-for a GPU: ``training.static_batch``). Shard k holds the k-th group of
-``prompts_per_shard`` prompts of the split (file order), so a rerun skips finished shards.
+Generation is continuous batching on the engine's plain-decoding loop (``lyanna.engine``,
+method ``ar``, as ``lyanna.decode.generate``) on a CPU: a finished sequence's slot takes the
+next prompt at once, so the batch stays full until the queue runs dry (``--engine static``,
+for a GPU: ``training.static_batch``, which says why it has a loop of its own). Shard k holds
+the k-th group of ``prompts_per_shard`` prompts of the split (file order), so a rerun skips
+finished shards.
 A share of prompts (``sampled_fraction``, chosen per prompt from the seed) is answered by
 sampling at a temperature drawn from ``temperature_range``, so sampling-mode drafting sees
 the target's sampled continuations too. ``heldout`` prompts (2 % of ids, by hash) never enter
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import random
 import time
@@ -37,11 +40,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from lyanna.decode import prefill
+from lyanna.drafters import TARGET_ONLY
+from lyanna.drafters.base import NoDrafter, VerifiedStep
+from lyanna.engine import EngineConfig, SpecEngine
 from lyanna.model import fetch_default_model, load_model
 from lyanna.model.default import sha256_of
 from lyanna.model.transformer import Transformer
-from lyanna.sampling import SamplingParams, greedy_or_sample
+from lyanna.scheduler import TREE_MARGIN
+from lyanna.sequence import Sequence as DecodeSequence
 from lyanna.tokenizer import load_tokenizer
 from training.data import MANIFEST, Sequence, build_shard, shard_path, write_shard
 from training.distill_jobs import Answer, DistillConfig, Job, is_held_out
@@ -64,63 +70,86 @@ def plan_jobs(config: DistillConfig, tokenizer, path: Path = TRAIN_PROMPTS) -> I
 
 
 @dataclass(slots=True, eq=False)
-class _Live:
-    job: Job
-    params: SamplingParams
-    generator: torch.Generator | None
-    answer: list[int]
-    hidden: list[torch.Tensor]  # float16 rows, prompt first
-    closing: bool = False  # the last answer token is decided; its hidden state is still owed
+class _Answering(DecodeSequence):
+    """A prompt answered through the engine. The answer closes at end-of-turn or at
+    ``limit`` tokens; the sequence decodes two tokens past that closing token, so the engine
+    has taught the recorder the step that committed it (its hidden state is the one a drafter
+    regresses last; the engine teaches no step that finishes a sequence), then stops: two
+    extra rows per answer, one more than a loop of its own would run. ``output_ids[:closed]``
+    is the answer, end-of-turn kept."""
+
+    job: Job | None = None
+    eos_id: int = -1
+    limit: int = 0
+    closed: int = 0  # answer tokens once the closing token is decided (0: still open)
+
+    def append(self, tokens: list[int]) -> list[int]:
+        for token in tokens:
+            if self.finished:
+                break
+            self.output_ids.append(token)
+            if self.closed and len(self.output_ids) > self.closed + 1:
+                self.finish_reason = "stop"  # the step that committed the closing token ran
+            elif not self.closed and (token == self.eos_id or len(self.output_ids) >= self.limit):
+                self.closed = len(self.output_ids)
+        return tokens
+
+
+class _HiddenRecorder(NoDrafter):
+    """Plain decoding (root-only trees) that keeps the hidden states the engine's forwards
+    computed: the prompt's at start, then the committed root's at every step."""
+
+    needs_hidden = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: dict[int, list[torch.Tensor]] = {}  # seq id -> float16 CPU rows
+
+    def start(self, seq_id, prompt_ids, prompt_hidden, first_token, params=None) -> None:
+        super().start(seq_id, prompt_ids, prompt_hidden, first_token, params)
+        self.rows[seq_id] = [prompt_hidden.half().cpu()]
+
+    def on_verified(self, steps: list[VerifiedStep]) -> dict[int, int]:
+        for step in steps:
+            self.rows[step.seq_id].append(step.hidden.half().cpu())
+        return super().on_verified(steps)
 
 
 def generate_answers(
     model: Transformer, jobs: Iterator[Job], config: DistillConfig, eos_id: int
 ) -> Iterator[Answer]:
-    """Continuous batching: decode every live sequence one token per step, prefill a queued
-    prompt into each freed slot. Each answer ends with end-of-turn (when the target stopped)
-    and carries the hidden state at every one of its tokens (the last token is fed once more
-    for its own hidden state, the one a drafter regresses last)."""
-    device = model.embed_tokens.weight.device
-    cache = model.new_cache(config.batch_size, config.max_prompt_tokens + config.max_answer_tokens)
-    live: dict[int, _Live] = {}  # KV slot -> sequence
+    """Continuous batching on the engine's plain-decoding loop (``lyanna.decode``'s; method
+    ``ar``): every live sequence decodes one token per step and a queued prompt takes each
+    freed slot before the next step. Each answer ends with end-of-turn (when the target
+    stopped) and carries the hidden state at every one of its tokens."""
+    recorder = _HiddenRecorder()
+    longest = config.max_prompt_tokens + config.max_answer_tokens + 2
+    engine_config = EngineConfig(config.batch_size, longest + TREE_MARGIN)
+    engine = SpecEngine(model, recorder, engine_config, method=TARGET_ONLY)
+    live: dict[int, _Answering] = {}  # seq id -> sequence (running or waiting)
     jobs = iter(jobs)
-
-    def admit(job: Job) -> None:
-        slot = cache.allocate()
-        hidden = prefill(model, job.prompt_ids, cache, slot)
-        params = job.params(config)
-        state = _Live(job, params, params.make_generator(), [], [hidden.half().cpu()])
-        live[slot] = state
-        decide(state, model.logits(hidden[-1:]))
-
-    def decide(state: _Live, logits: torch.Tensor) -> None:
-        token = int(greedy_or_sample(logits, state.params, state.generator))
-        state.answer.append(token)
-        state.closing = token == eos_id or len(state.answer) >= config.max_answer_tokens
-
+    ids = itertools.count()
     while True:
-        while cache.num_free_slots and (job := next(jobs, None)) is not None:
-            admit(job)
+        while len(live) < config.batch_size and (job := next(jobs, None)) is not None:
+            params = job.params(config)
+            sequence = _Answering(
+                next(ids),
+                job.prompt_ids,
+                dataclasses.replace(params, max_tokens=config.max_answer_tokens + 2),
+                job=job,
+                eos_id=eos_id,
+                limit=config.max_answer_tokens,
+            )
+            live[sequence.seq_id] = sequence
+            engine.submit(sequence)
         if not live:
             return
-        slots = sorted(live)
-        slot_ids = torch.tensor(slots)
-        tokens = torch.tensor([[live[s].answer[-1]] for s in slots], device=device)
-        positions = cache.lengths[slot_ids][:, None].to(device)
-        hidden = model(tokens, positions, cache, slot_ids)[:, 0]  # [B, d]
-        open_rows = [row for row, s in enumerate(slots) if not live[s].closing]
-        logits = iter(model.logits(hidden[open_rows]) if open_rows else [])  # open rows, in order
-        rows_cpu = hidden.half().cpu()
-        for row, s in enumerate(slots):
-            cache.commit(s, [0])
-            state = live[s]
-            state.hidden.append(rows_cpu[row : row + 1])
-            if state.closing:
-                del live[s]
-                cache.release(s)
-                yield Answer(state.job, state.answer, torch.cat(state.hidden))
-            else:
-                decide(state, next(logits)[None])
+        engine.step()
+        for seq_id in [s for s, sequence in live.items() if sequence.finished]:
+            sequence = live.pop(seq_id)
+            rows = torch.cat(recorder.rows.pop(seq_id))
+            answer = sequence.output_ids[: sequence.closed]
+            yield Answer(sequence.job, answer, rows[: len(sequence.prompt_ids) + len(answer)])
 
 
 def fast_attention(model: Transformer) -> None:
