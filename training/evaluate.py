@@ -18,7 +18,8 @@ chain, the true parent token's info bias), i.e. the conditional accuracy of a de
 whose ancestors were right. It is a hit when it equals the target's argmax over the *full*
 vocabulary at the state that decides that token (a hot set that lacks it is a miss). Rows are
 the answer tokens of the held-out sequences whose anchor and predicted token both exist; step k
-counts the rows with j >= 0, so deeper steps count slightly fewer rows.
+counts the rows with j >= 0 (a deeper step counts fewer rows only where an answer starts
+within k tokens of its sequence's start).
 """
 
 from __future__ import annotations
