@@ -81,3 +81,25 @@ def test_compare_runs_an_equal_budget_sweep_and_writes_table_and_plot(
     assert text.count("| EAGLE-2 |") == 3 and text.count("| Lyanna |") == 3
     assert text.count("| **") == 2  # one bold learning rate per drafter
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_spec_bench_of_the_best_checkpoints_drafts_ungated_chains(tmp_path, monkeypatch) -> None:
+    """``--spec-bench-per-category``: each best checkpoint drafts a chain of the tree depth on
+    every step (no gate), losslessly, with acceptance reported per depth."""
+    import bench.spec_bench as spec_bench_module
+    from bench.spec_bench import BenchSetup
+    from tests.unit.test_evaluate import _checkpoint, _trained
+
+    model = make_tiny_model(5, vocab_size=32)
+    setup = BenchSetup(model, frozenset(), {"tiny": [[4, 4, 4, 4, 4], [3, 5, 3, 5, 3]]})
+    monkeypatch.setattr(spec_bench_module.BenchSetup, "load",
+                        classmethod(lambda cls, per_category: setup))  # fmt: skip
+
+    best = {kind: _checkpoint(_trained(kind, model, seed), tmp_path / kind)
+            for kind, seed in (("eagle", 1), ("lyanna", 2))}  # fmt: skip
+    out = compare_module.spec_bench(best, per_category=2, max_tokens=12, depth=3)
+    assert set(out) == {"eagle", "lyanna"}
+    for result in out.values():
+        assert result["greedy_mismatches"] == 0 and result["prompts"] == 2
+        assert len(result["cond_accept"]) == 3  # a node at every depth of the chain
+        assert result["tau"] >= 1.0
