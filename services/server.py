@@ -27,14 +27,17 @@ from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from lyanna.model.kv_cache import CacheFullError
 from lyanna.target import OutOfStepError, UnknownSequenceError
-from services.config import PARENT_PID_ENV, ServerConfig
+from services.config import PARENT_PID_ENV, ServerConfig, parse_configs
+from services.metrics import serve_metrics
 from services.tls import server_credentials
 
 log = logging.getLogger("lyanna.services")
@@ -301,3 +304,39 @@ def serve(
     if on_stop is not None:
         on_stop()
     log.info("stopped")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Service:
+    """A built service, as ``run_service`` starts it."""
+
+    name: str  # the full gRPC service name (health, reflection)
+    add: Callable[[grpc.Server], None]  # adds the servicer to a server
+    registry: CollectorRegistry  # its metrics
+    plane: Any = None  # its data plane (``services.data_plane.DataPlane``), if any
+    on_stop: Callable[[], None] | None = None  # after the drain
+    watch: ComputeWatch | None = None  # liveness: its compute thread
+
+
+def run_service(
+    role: str,  # "verifier" | "drafter": the log lines' tag and the LYANNA_<ROLE>_ settings
+    config_class: type,  # the service's own settings, beside ``ServerConfig``
+    argv: list[str] | None,
+    description: str | None,
+    build: Callable[[Any, ServerConfig], Service],  # (its settings, the server's) -> Service
+) -> int:
+    """Both service processes' ``main``: the flags and environment, logging, exiting with the
+    parent, the service (``build``), its metrics endpoint, the data plane's handshake, then
+    ``serve`` until SIGTERM / SIGINT."""
+    server_config, config = parse_configs(
+        (ServerConfig, config_class), argv, f"LYANNA_{role.upper()}_", description=description
+    )
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(message)s")
+    exit_with_parent()
+    service = build(config, server_config)
+    serve_metrics(service.registry, server_config)
+    plane = service.plane
+    if plane is not None and not plane.wait_ready(server_config.plane_timeout):
+        logging.warning("data plane not ready; hidden states travel inline")
+    serve(server_config, service.add, (service.name,), on_stop=service.on_stop, watch=service.watch)
+    return 0

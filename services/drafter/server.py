@@ -17,6 +17,7 @@ it again from its history).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -32,7 +33,7 @@ from lyanna.model import load_model
 from lyanna.threads import serving_threads
 from lyanna.tree import TokenTree
 from services import codec
-from services.config import ServerConfig, parse_configs
+from services.config import ServerConfig
 from services.data_plane import DataPlane
 from services.drafter.config import DrafterConfig, make_configured_drafter
 from services.drafter.relay import (
@@ -42,16 +43,16 @@ from services.drafter.relay import (
     verify_request,
 )
 from services.hidden import HiddenReceiver
-from services.metrics import DrafterMetrics, serve_metrics
+from services.metrics import DrafterMetrics
 from services.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
 from services.server import (
+    Service,
     ServiceError,
-    exit_with_parent,
     invalid,
     not_found,
     out_of_step,
     rpc_errors,
-    serve,
+    run_service,
 )
 
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
@@ -423,23 +424,11 @@ def build_servicer(config: DrafterConfig, server_config: ServerConfig) -> Drafte
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    server_config, config = parse_configs(
-        (ServerConfig, DrafterConfig), argv, "LYANNA_DRAFTER_", description=__doc__
-    )
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s drafter %(message)s")
-    exit_with_parent()
+def start_service(config: DrafterConfig, server_config: ServerConfig) -> Service:
     torch.set_num_threads(serving_threads(server_config.torch_threads))
     servicer = build_servicer(config, server_config)
     servicer.start_lease_reaper()
-
-    def add(server: grpc.Server) -> None:
-        drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
-
-    serve_metrics(servicer.metrics.registry, server_config)
     plane = servicer.receiver.plane
-    if plane is not None and not plane.wait_ready(server_config.plane_timeout):
-        logging.warning("data plane not ready; hidden states travel inline")
 
     def stop() -> None:
         if servicer.verifier is not None:
@@ -447,5 +436,9 @@ def main(argv: list[str] | None = None) -> int:
         if plane is not None:
             plane.close()
 
-    serve(server_config, add, (SERVICE_NAME,), on_stop=stop)
-    return 0
+    add = functools.partial(drafter_pb2_grpc.add_DrafterServicer_to_server, servicer)
+    return Service(SERVICE_NAME, add, servicer.metrics.registry, plane, on_stop=stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_service("drafter", DrafterConfig, argv, __doc__, start_service)

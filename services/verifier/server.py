@@ -23,6 +23,7 @@ liveness check (``services.server.ComputeWatch``): a hung forward turns it NOT_S
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -40,19 +41,19 @@ from lyanna.target import TargetConfig, TargetRunner, Verified
 from lyanna.threads import StepThreads, serving_threads
 from lyanna.tree import TokenTree
 from services import codec
-from services.config import ServerConfig, parse_configs
+from services.config import ServerConfig
 from services.data_plane import DataPlane
 from services.hidden import HiddenSender
-from services.metrics import VerifierMetrics, serve_metrics
+from services.metrics import VerifierMetrics
 from services.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
 from services.server import (
     ComputeWatch,
+    Service,
     ServiceError,
-    exit_with_parent,
     invalid,
     out_of_step,
     rpc_errors,
-    serve,
+    run_service,
 )
 from services.verifier.config import VerifierConfig
 from services.verifier.free_drafts import FreeDrafts
@@ -459,12 +460,7 @@ def build_servicer(
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    server_config, config = parse_configs(
-        (ServerConfig, VerifierConfig), argv, "LYANNA_VERIFIER_", description=__doc__
-    )
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s verifier %(message)s")
-    exit_with_parent()
+def start_service(config: VerifierConfig, server_config: ServerConfig) -> Service:
     # every CPU: its forwards are the step (on 2 cores beside the drafter and the gateway,
     # 6-27 % more tokens/s than one thread at c = 1, 4, 16; docs/benchmarks.md)
     count = serving_threads(server_config.torch_threads, reserved=0)
@@ -478,19 +474,16 @@ def main(argv: list[str] | None = None) -> int:
     servicer = compute.submit(build).result()
     servicer.threads = threads
     servicer.start_lease_reaper()
-
-    def add(server: grpc.Server) -> None:
-        verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
-
-    serve_metrics(servicer.metrics.registry, server_config)
     plane = servicer.sender.plane
-    if plane is not None and not plane.wait_ready(server_config.plane_timeout):
-        logging.warning("data plane not ready; hidden states travel inline")
-    serve(
-        server_config,
-        add,
-        (SERVICE_NAME,),
+    return Service(
+        SERVICE_NAME,
+        functools.partial(verifier_pb2_grpc.add_VerifierServicer_to_server, servicer),
+        servicer.metrics.registry,
+        plane,
         on_stop=plane.close if plane else None,
         watch=servicer.watch,
     )
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_service("verifier", VerifierConfig, argv, __doc__, start_service)
