@@ -184,7 +184,10 @@ def compare(args: argparse.Namespace, command: str) -> dict:
     pairs = [item.split("=") for item in args.ce_weights.split(",") if item]
     ce_weights = dict(CE_WEIGHTS, **{k: float(v) for k, v in pairs})
     for run in args.data.split(","):
-        ensure_hidden_states(run, args.threads)
+        hidden = ensure_hidden_states(run, args.threads, args.data_shards)
+        held = len(list(hidden.glob("shard-*.safetensors")))
+        if args.data_shards and held > args.data_shards:  # training.train reads every shard
+            raise SystemExit(f"{hidden} holds {held} shards, not --data-shards {args.data_shards}")
     base = TrainConfig(data=args.data, unroll_steps=args.unroll_steps,
                        hot_vocab_size=args.hot_vocab_size, batch_tokens=args.batch_tokens,
                        max_seq_len=args.max_seq_len, val_sequences=args.val_sequences,
@@ -222,7 +225,9 @@ def compare(args: argparse.Namespace, command: str) -> dict:
         run["heldout_top1"] = scores[drafter.name]["top1"]
         run["heldout_rows"] = scores[drafter.name]["rows"]
     report = {
-        "data": args.data, "heldout": args.heldout, "token_passes": passes, "steps": steps,
+        "data": args.data + (f" (first {args.data_shards} shard(s) each)" if args.data_shards
+                             else ""),
+        "heldout": args.heldout, "token_passes": passes, "steps": steps,
         "batch_tokens": args.batch_tokens, "unroll_steps": args.unroll_steps,
         "hot_vocab_size": int(hot[0].numel()), "lrs": lrs, "ce_weights": ce_weights,
         "tree_depth": args.tree_depth or args.unroll_steps, "runs": runs, "best": best,
@@ -243,6 +248,8 @@ def main(argv: list[str] | None = None) -> dict:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--data", default="distill-v1,distill-v2,distill-v3")
+    parser.add_argument("--data-shards", type=int, default=0,
+                        help="train on the first N shards of each run only (0 = all)")  # fmt: skip
     parser.add_argument("--heldout", default="distill-heldout-v1")
     parser.add_argument("--drafters", default="eagle,lyanna")
     parser.add_argument("--token-passes", type=int, default=2_000_000)

@@ -25,6 +25,7 @@ within k tokens of its sequence's start).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -169,16 +170,34 @@ FIRST_CHOICES = {"eagle": eagle_first_choices, "lyanna": lyanna_first_choices}
 # -- data --------------------------------------------------------------------------------
 
 
-def ensure_hidden_states(run: str, threads: int = 2) -> Path:
-    """``$LYANNA_CACHE/data/<run>``, rebuilt from the committed ids where shards are missing."""
+def ensure_hidden_states(run: str, threads: int = 2, max_shards: int = 0) -> Path:
+    """``$LYANNA_CACHE/data/<run>``, rebuilt from the committed ids where shards are missing
+    (only the first ``max_shards`` of the run when it is not 0: a small budget's data)."""
+    import shutil
+    import tempfile
+
     from training.distill import DistillConfig, materialize
     from training.id_shards import shard_index
 
     config = DistillConfig(run_name=run, threads=threads)
-    ids = json.loads((config.id_dir / "manifest.json").read_text())["shards"]
-    if any(not shard_path(config.hidden_dir, shard_index(n)).is_file() for n in ids):
-        print(f"rebuilding the hidden states of {run} from its committed ids", flush=True)
+    manifest = json.loads((config.id_dir / "manifest.json").read_text())
+    names = sorted(manifest["shards"])[: max_shards or None]
+    if all(shard_path(config.hidden_dir, shard_index(n)).is_file() for n in names):
+        return config.hidden_dir
+    print(f"rebuilding the hidden states of {run} ({len(names)} shards) from its committed ids",
+          flush=True)  # fmt: skip
+    if len(names) == len(manifest["shards"]):
         materialize(config)
+        return config.hidden_dir
+    subset = Path(tempfile.mkdtemp(prefix=f"ids-{run}-"))
+    try:  # the first shards' ids under a manifest that lists only them
+        for name in names:
+            (subset / name).symlink_to((config.id_dir / name).resolve())
+        part = dict(manifest, shards={n: manifest["shards"][n] for n in names})
+        (subset / "manifest.json").write_text(json.dumps(part))
+        materialize(dataclasses.replace(config, ids_dir=str(subset)))
+    finally:
+        shutil.rmtree(subset)
     return config.hidden_dir
 
 

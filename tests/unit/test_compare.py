@@ -51,7 +51,7 @@ def test_compare_runs_an_equal_budget_sweep_and_writes_table_and_plot(
         "tiny-train": _write_run(cache, "tiny-train", _sequences(20, seed=1)),
         "tiny-heldout": _write_run(cache, "tiny-heldout", _sequences(6, seed=2)),
     }
-    monkeypatch.setattr(compare_module, "ensure_hidden_states", lambda name, threads: runs[name])
+    monkeypatch.setattr(compare_module, "ensure_hidden_states", lambda name, *a: runs[name])
     table, plot, out = tmp_path / "t.md", tmp_path / "img" / "p.png", tmp_path / "r.json"
     compare_module.main(["--data", "tiny-train", "--heldout", "tiny-heldout",
                          "--token-passes", "900", "--lrs", "1e-3,5e-3,2e-2",

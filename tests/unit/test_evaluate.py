@@ -168,3 +168,33 @@ def test_drafted_parents_ablation_reads_the_step_before_first_choices() -> None:
     assert drafted[1]["ce2"] != teacher[1]["ce2"]
     with pytest.raises(ValueError):
         TrainConfig(info_parents="sampled")
+
+
+def test_a_small_budget_rebuilds_only_the_first_shards(tmp_path, monkeypatch) -> None:
+    """``ensure_hidden_states(run, max_shards=1)`` asks ``materialize`` for shard 0 of a
+    committed three-shard run only, and nothing once it exists."""
+    import training.distill as distill_module
+    from training.id_shards import shard_index
+
+    monkeypatch.setenv("LYANNA_CACHE", str(tmp_path))
+    calls = []
+
+    def fake_materialize(config):
+        manifest = json.loads((config.id_dir / "manifest.json").read_text())
+        calls.append((sorted(manifest["shards"]), [p.resolve() for p in config.id_dir.iterdir()]))
+        config.hidden_dir.mkdir(parents=True, exist_ok=True)
+        for name in manifest["shards"]:
+            shard_path(config.hidden_dir, shard_index(name)).write_bytes(b"")
+        return len(manifest["shards"])
+
+    monkeypatch.setattr(distill_module, "materialize", fake_materialize)
+    committed = Path(evaluate_module.__file__).parents[1] / "data" / "distill" / "distill-v3"
+    names = sorted(json.loads((committed / "manifest.json").read_text())["shards"])
+    assert len(names) == 3  # distill-v3 continues the numbering: ids-00090 ...
+    hidden = evaluate_module.ensure_hidden_states("distill-v3", 1, max_shards=1)
+    assert hidden == tmp_path / "data" / "distill-v3"
+    assert len(calls) == 1 and calls[0][0] == names[:1]
+    assert (committed / names[0]).resolve() in calls[0][1]
+    assert [p.name for p in hidden.iterdir()] == [shard_path(hidden, shard_index(names[0])).name]
+    evaluate_module.ensure_hidden_states("distill-v3", 1, max_shards=1)
+    assert len(calls) == 1  # already there
