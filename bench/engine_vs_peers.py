@@ -9,6 +9,12 @@ step for each weight format, measured on this machine. Then the prefill of one l
 
     python -m bench.engine_vs_peers [--per-category 2] [--max-tokens 128] [--threads 2]
         [--long-prompt 800]
+
+With ``--device`` (``cuda``, or ``cpu`` to rehearse) it compares instead this engine's decode
+and verify steps with transformers' on random weights of the default model's shape, batches
+1, 16 and 64 (``bench.device_peers``):
+
+    python -m bench.engine_vs_peers --device cuda --dtype bf16 [--batches 1 16 64]
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bench import device_peers
 from bench.common import load_questions, median_seconds, print_table, question_prompt
 from bench.forward_latency import forward_table
 from lyanna.decode import generate, prefill
@@ -194,7 +201,24 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip", default="", help="comma list of: transformers,llama.cpp")
     parser.add_argument("--long-prompt", type=int, default=800, help="0: no long-prompt table")
+    parser.add_argument("--device", default=None, help="steps on a device, random weights")
+    parser.add_argument("--dtype", default="bf16", help="with --device: bf16, fp16, float32")
+    parser.add_argument("--shape", default="default", help="with --device: default or tiny")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     args = parser.parse_args()
+    if args.device is not None:
+        dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "float32": torch.float32}
+        skip = frozenset(filter(None, args.skip.split(",")))
+        device_peers.run(
+            args.device,
+            dtypes[args.dtype],
+            args.shape,
+            tuple(args.batches),
+            64,
+            args.max_tokens,
+            skip,
+        )
+        return
     torch.set_num_threads(args.threads)
     skip = set(filter(None, args.skip.split(",")))
     model_dir = fetch_default_model()

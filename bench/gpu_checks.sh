@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU checks of one short device session, in order of priority under one deadline: the
-# CUDA tests, Spec-Bench in bf16 and float32 at T = 0 and in bf16 at T = 1, the split services
+# The GPU checks of one short device session, in order of priority under one deadline: this
+# engine's decode / verify steps against transformers (random weights, bench.device_peers),
+# the CUDA tests, Spec-Bench in bf16 and float32 at T = 0 and in bf16 at T = 1, the split services
 # against embedded, each output a file under $OUT. Run from the repository root on a machine
 # with one GPU, the default model in $LYANNA_CACHE and the checkpoints in checkpoints/ (all in
 # the same call: on the lent machines here, a carried folder does not outlive the next call,
@@ -33,10 +34,13 @@ for m in eagle2 lyanna ngram; do
     [ -f "checkpoints/$m-smollm2-135m/manifest.json" ] || say "checkpoints/$m-smollm2-135m is missing"
 done
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1 | tee -a "$OUT/timeline.txt"
+SHAPE=${SHAPE:-default}  # DEVICE=cpu SHAPE=tiny: the same steps in seconds
+run engine_vs_peers 150 python3 -m bench.engine_vs_peers --device "$DEVICE" --dtype bf16 \
+    --shape "$SHAPE" --batches 1 16 64 --max-tokens 128
 SB=(python3 -m bench.spec_bench --limit-per-category 1 --max-tokens "$TOKENS" --device "$DEVICE")
 run cuda_tests 120 python3 -m pytest -q -p no:cacheprovider -k cuda \
     tests/unit/test_drafters_on_device.py tests/services/test_placement.py \
-    tests/unit/test_train_loop.py tests/unit/test_static_batch.py
+    tests/unit/test_train_loop.py tests/unit/test_static_batch.py tests/unit/test_static_step.py
 run spec_bench_bf16_t0 120 "${SB[@]}" --methods ar,ngram,eagle,lyanna --dtype bf16
 run serving_bf16 170 python3 -m bench.serving --deployments embedded services \
     --concurrency 1 4 16 --requests 24 --max-tokens "$TOKENS" \

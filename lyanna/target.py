@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from lyanna.model.native_layers import causal_mask
+from lyanna.model.static_step import ROW_BUCKETS, StaticStep, window_inputs
 from lyanna.model.transformer import Transformer
 from lyanna.sampling import (
     SamplingParams,
@@ -29,6 +30,7 @@ from lyanna.sampling import (
 )
 from lyanna.tree import TokenTree, pack_trees
 from lyanna.verify import AcceptanceRule, Verdict, choose_rule, sampling_rule
+from lyanna.verify.greedy import greedy_verdict
 
 
 def prefill_prompt(
@@ -67,6 +69,9 @@ class TargetConfig:
     max_len: int = 4096  # KV rows per sequence (prompt + output + one tree)
     rule: str | None = None  # acceptance rule by name at temperature > 0 (never greedy);
     #                          None = the default lossless rule of each tree's draft scheme
+    static_step: bool | None = None  # verify through ``lyanna.model.static_step`` (a CUDA
+    #   graph per bucket on a GPU); None = whenever the model runs its generic forward (not
+    #   the CPU's native decoder)
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_len < 2:
@@ -105,7 +110,12 @@ class TargetRunner:
     def __init__(self, model: Transformer, config: TargetConfig | None = None) -> None:
         self.model = model
         self.config = config or TargetConfig()
-        self.cache = model.new_cache(self.config.max_running, self.config.max_len)
+        static = self.config.static_step
+        if static is None:
+            static = model.native is None
+        spare = ROW_BUCKETS[-1] if static else 0
+        self.cache = model.new_cache(self.config.max_running, self.config.max_len, spare)
+        self.static_step = StaticStep(model, self.cache) if static else None
         self._seqs: dict[int, _TargetSeq] = {}
         self.rule_seconds = 0.0  # cumulative: acceptance rules (with the rows' softmax) in verify
 
@@ -198,12 +208,7 @@ class TargetRunner:
         rules = [self._rule(state.params, tree) for state, tree in zip(states, trees, strict=True)]
         # rows in slot order: when the slots form a run (a full batch always does, whatever
         # order sequences arrived in), every layer reads the KV as a view instead of a copy
-        order = sorted(range(len(states)), key=lambda i: states[i].slot)
-        slots = torch.tensor([states[i].slot for i in order])
-        packed = pack_trees([trees[i] for i in order], self.cache.lengths[slots])
-        hidden = self.model(packed.tokens, packed.positions, self.cache, slots, packed.mask)
-        logits = self.model.logits(hidden)  # [B, n_max, vocab], rows in slot order
-        row_of = {i: row for row, i in enumerate(order)}
+        hidden, logits, best, row_of = self._forward(states, trees)
         rules_start = time.perf_counter()
         results = []
         for index, (state, tree, rule) in enumerate(zip(states, trees, rules, strict=True)):
@@ -213,7 +218,10 @@ class TargetRunner:
             if not state.params.greedy:  # the sampling rules draw on CPU generators and
                 # meet the trees' CPU draft rows: a GPU model's rows go to the CPU first
                 rows = logits_to_probs(rows.cpu(), state.params.temperature, state.params.top_p)
-            verdict = rule(tree, rows, state.generator)
+            if best is not None and rule.name == "greedy" and rows is raw:
+                verdict = greedy_verdict(tree, best[row])  # the argmax the step computed
+            else:
+                verdict = rule(tree, rows, state.generator)
             self.cache.commit(state.slot, verdict.path)
             state.next_token = verdict.tokens[-1]
             committed = [tree.token_list[i] for i in verdict.path]
@@ -241,6 +249,40 @@ class TargetRunner:
             return False
         self.cache.release(state.slot)
         return True
+
+    def _forward(
+        self, states: list[_TargetSeq], trees: list[TokenTree]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[list[int]] | None, list[int]]:
+        """One target forward over every tree: hidden states and float32 logits by row, the
+        row of each tree, and (static step) every row's argmax, read back in one copy."""
+        cache, step = self.cache, self.static_step
+        if step is not None and max(t.num_nodes for t in trees) <= ROW_BUCKETS[-1]:
+            slots = [state.slot for state in states]
+            for slot, tree in zip(slots, trees, strict=True):
+                cache.check_length(int(cache.lengths[slot]) + tree.num_nodes)
+            key = step.key_for(max(slots), max(t.num_nodes for t in trees))
+            inputs = window_inputs(
+                key,
+                cache.lengths,
+                slots,
+                [list(t.token_list) for t in trees],
+                [list(t.depth_list) for t in trees],
+                [t.attention_mask() for t in trees],
+                self.model.config.max_position_embeddings - 1,
+            )
+            out = step.run(key, inputs)
+            return out.hidden, out.logits, out.best.tolist(), slots
+        # rows in slot order: when the slots form a run (a full batch always does, whatever
+        # order sequences arrived in), every layer reads the KV as a view instead of a copy
+        order = sorted(range(len(states)), key=lambda i: states[i].slot)
+        slots_tensor = torch.tensor([states[i].slot for i in order])
+        packed = pack_trees([trees[i] for i in order], cache.lengths[slots_tensor])
+        hidden = self.model(packed.tokens, packed.positions, cache, slots_tensor, packed.mask)
+        logits = self.model.logits(hidden)  # [B, n_max, vocab], rows in slot order
+        row_of = [0] * len(order)
+        for row, i in enumerate(order):
+            row_of[i] = row
+        return hidden, logits, None, row_of
 
     @staticmethod
     def _processed(state: _TargetSeq, tree: TokenTree, raw: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,6 @@ computes); its per-sequence states (``_seqs``) follow ``RootedState``.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -39,6 +38,7 @@ from lyanna.drafters.base import DraftBudget
 from lyanna.drafters.sampled import DraftSampling, SampledDrafting, SampledTrees, head_children
 from lyanna.drafters.scopes import LAYER_SCOPE, scope
 from lyanna.model.kv_cache import KVCache
+from lyanna.model.transformer import ForwardContext
 from lyanna.tree import TokenTree
 
 
@@ -47,19 +47,6 @@ class RootedState(Protocol):
     root: int  # the next tree's root token
     root_state: torch.Tensor | None  # [d] the drafter's state at the root
     pending_tokens: list[int]  # committed tokens (and root) the draft KV has not seen yet
-
-
-@dataclass(slots=True, eq=False)
-class TreeContext:
-    """Duck-types ``ForwardContext`` for a tree step: explicit rows and mask."""
-
-    cache: KVCache
-    slots: torch.Tensor  # [B] int64
-    rows: torch.Tensor  # [B, q] int64 cache row of each query
-    kv_len: int
-    cos: torch.Tensor  # [B, 1, q, hd]
-    sin: torch.Tensor  # [B, 1, q, hd]
-    mask: torch.Tensor  # [B, 1, q, kv_len] bool
 
 
 class DynamicTreeDrafter(SampledDrafting):
@@ -98,7 +85,7 @@ class DynamicTreeDrafter(SampledDrafting):
 
     def _node_forward(
         self,
-        ctx: TreeContext,
+        ctx: ForwardContext,
         parent_states: torch.Tensor,  # [B, k, d]
         tokens: torch.Tensor,  # [B, k] int64
     ) -> torch.Tensor:  # [B, k, d] the nodes' states (their children's distributions)
@@ -127,7 +114,7 @@ class DynamicTreeDrafter(SampledDrafting):
         positions = (lengths + depth - 1)[:, None].expand(B, k)
         device = self.rope_cos.device  # the drafter's: built on the CPU, moved (CPU: no-op)
         positions = positions.to(device)
-        ctx = TreeContext(
+        ctx = ForwardContext(
             cache=self.cache,
             slots=slots,  # CPU bookkeeping, as in ForwardContext
             rows=rows.to(device),

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lyanna.drafters.base import DraftBudget, VerifiedStep
-from lyanna.drafters.dynamic_tree import DynamicTreeDrafter, TreeContext
+from lyanna.drafters.dynamic_tree import DynamicTreeDrafter
 from lyanna.drafters.eagle_head import DEFAULT_CHECKPOINT, EagleHead, load_eagle_head
 from lyanna.drafters.heads import (
     draft_weight_dtype,
@@ -35,7 +35,7 @@ from lyanna.drafters.placement import DraftPlacement
 from lyanna.drafters.scopes import LAYER_SCOPE, scope
 from lyanna.model.kv_cache import KVCache
 from lyanna.model.quant import runs_q4
-from lyanna.model.transformer import ForwardContext, Transformer
+from lyanna.model.transformer import ForwardContext, Transformer, eager_context
 
 
 @dataclass(slots=True)
@@ -126,7 +126,7 @@ class EagleDrafter(DynamicTreeDrafter):
                 feats[b, : h.shape[0]] = h
         tokens = [s.pending_tokens + [0] * (q - len(s.pending_tokens)) for s in states]
         positions = place.ids(self.cache.lengths[slots][:, None] + torch.arange(q))
-        ctx = ForwardContext(self.cache, slots, positions, None, self.rope_cos, self.rope_sin)
+        ctx = eager_context(self.cache, slots, positions, None, self.rope_cos, self.rope_sin)
         with scope(LAYER_SCOPE):
             out = self.head.layer(self.head.fuse(feats, self._embed(tokens)), ctx, 0)
         for b, (s, h) in enumerate(zip(states, hidden, strict=True)):
@@ -138,7 +138,7 @@ class EagleDrafter(DynamicTreeDrafter):
 
     def _node_forward(
         self,
-        ctx: TreeContext,
+        ctx: ForwardContext,
         parent_states: torch.Tensor,  # [B, k, d] parents' predicted states
         tokens: torch.Tensor,  # [B, k]
     ) -> torch.Tensor:  # [B, k, d] predicted states of the nodes

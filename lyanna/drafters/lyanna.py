@@ -39,7 +39,7 @@ from lyanna.drafters.scopes import LAYER_SCOPE, LM_HEAD_SCOPE, scope
 from lyanna.drafters.token_info_tree import build_subtrees, resample_subtree
 from lyanna.model.kv_cache import KVCache
 from lyanna.model.quant import runs_q4
-from lyanna.model.transformer import ForwardContext, Transformer
+from lyanna.model.transformer import Transformer, eager_context
 from lyanna.tree import TokenTree
 
 DEFAULT_CHECKPOINT = checkpoint_dir("lyanna-smollm2-135m")
@@ -251,7 +251,7 @@ class LyannaDrafter(SampledDrafting):
             ]
         )
         out = draft.layer(
-            x, ForwardContext(cache, slots, positions, None, draft.rope_cos, draft.rope_sin), 0
+            x, eager_context(cache, slots, positions, None, draft.rope_cos, draft.rope_sin), 0
         )
         if min(counts) == width:
             last = out[:, -1]
@@ -267,7 +267,7 @@ class LyannaDrafter(SampledDrafting):
         chain = [h]
         for step in range(1, self.budget.depth):
             pos = place.ids([[p + step - 1] for p in context_len])
-            ctx = ForwardContext(cache, slots, pos, None, draft.rope_cos, draft.rope_sin)
+            ctx = eager_context(cache, slots, pos, None, draft.rope_cos, draft.rope_sin)
             h = draft.out_norm(draft.layer(h[:, None], ctx, 0)[:, 0])
             for s in states:
                 cache.commit_prefix(s.slot, 1)

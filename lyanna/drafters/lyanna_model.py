@@ -26,7 +26,7 @@ from torch import nn
 
 from lyanna.drafters.heads import full_vocab_hits
 from lyanna.model.config import ModelConfig
-from lyanna.model.transformer import Block, RMSNorm, rope_tables
+from lyanna.model.transformer import Block, ForwardContext, RMSNorm, rope_tables
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +131,7 @@ class LyannaDraftModel(nn.Module):
         diag = torch.eye(n_pos, dtype=torch.bool)
         for i in range(steps):
             mask = torch.cat([causal] + [diag] * i, dim=1)  # [T-1, (i+1)(T-1)]
-            ctx = _TrainingContext(store, positions + i, mask, self.rope_cos, self.rope_sin)
+            ctx = _training_context(store, positions + i, mask, self.rope_cos, self.rope_sin)
             y = self.out_norm(self.layer(x, ctx, 0))
             outputs.append(y)
             x = y
@@ -153,14 +153,18 @@ class _TrainingKV:
         return torch.cat(self.keys, dim=2), torch.cat(self.values, dim=2)
 
 
-class _TrainingContext:
-    """Duck-typed stand-in for ``ForwardContext`` in the unrolled training pass."""
-
-    def __init__(self, store, positions, mask, cos_table, sin_table) -> None:
-        self.cache, self.slots, self.rows, self.kv_len = store, None, None, None
-        self.cos = cos_table[positions][None, None]  # [1, 1, q, hd]
-        self.sin = sin_table[positions][None, None]
-        self.mask = mask[None, None]  # [1, 1, q, keys]
+def _training_context(store, positions, mask, cos_table, sin_table) -> ForwardContext:
+    """The unrolled training pass's context: every key of the chain so far lives in ``store``
+    (no slots, no rows), one chain step's queries over them."""
+    return ForwardContext(
+        cache=store,
+        slots=None,
+        rows=None,
+        kv_len=None,
+        cos=cos_table[positions][None, None],  # [1, 1, q, hd]
+        sin=sin_table[positions][None, None],
+        mask=mask[None, None],  # [1, 1, q, keys]
+    )
 
 
 def draft_loss(

@@ -24,12 +24,12 @@ import torch
 
 from lyanna.drafters.base import DraftBudget, VerifiedStep
 from lyanna.drafters.checkpoint import checkpoint_dir, read_checkpoint
-from lyanna.drafters.dynamic_tree import DynamicTreeDrafter, TreeContext
+from lyanna.drafters.dynamic_tree import DynamicTreeDrafter
 from lyanna.drafters.heads import draft_weight_dtype, hot_lm_head, prepare_draft_layers
 from lyanna.drafters.scopes import LAYER_SCOPE, scope
 from lyanna.model.kv_cache import KVCache
 from lyanna.model.quant import runs_q4
-from lyanna.model.transformer import ForwardContext, Transformer, rope_tables
+from lyanna.model.transformer import ForwardContext, Transformer, eager_context, rope_tables
 
 DEFAULT_CHECKPOINT = checkpoint_dir("sps-smollm2-135m")
 
@@ -148,7 +148,7 @@ class SpsDrafter(DynamicTreeDrafter):
             tokens[b, : len(s.pending_tokens)] = torch.tensor(s.pending_tokens)
         slots = torch.tensor([s.slot for s in states])
         positions = self.cache.lengths[slots][:, None] + torch.arange(q)
-        ctx = ForwardContext(self.cache, slots, positions, None, self.rope_cos, self.rope_sin)
+        ctx = eager_context(self.cache, slots, positions, None, self.rope_cos, self.rope_sin)
         with scope(LAYER_SCOPE):
             out = self._layers(self.student.embed_tokens(tokens), ctx)
         for b, s in enumerate(states):
@@ -157,14 +157,14 @@ class SpsDrafter(DynamicTreeDrafter):
             s.root_state = out[b, n - 1]
             s.pending_tokens = []
 
-    def _layers(self, x: torch.Tensor, ctx: ForwardContext | TreeContext) -> torch.Tensor:
+    def _layers(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         for i, layer in enumerate(self.student.layers):
             x = layer(x, ctx, i)
         return self.student.norm(x)
 
     def _node_forward(
         self,
-        ctx: TreeContext,
+        ctx: ForwardContext,
         parent_states: torch.Tensor,  # [B, k, d] unused: the student reads tokens only
         tokens: torch.Tensor,  # [B, k]
     ) -> torch.Tensor:  # [B, k, d]

@@ -9,6 +9,7 @@ concatenated in the decode loop.
 
 from __future__ import annotations
 
+import heapq
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,15 +30,21 @@ class KVCache:
         max_len: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        spare_rows: int = 0,
     ) -> None:
-        if num_slots < 1 or max_len < 1:
+        """``spare_rows``: rows past ``max_len`` in every slot that a forward may write but no
+        commit may keep: a captured step pads its trees to a fixed width and runs every slot of
+        its window, so a full slot must still have somewhere harmless to write."""
+        if num_slots < 1 or max_len < 1 or spare_rows < 0:
             raise ValueError("KVCache needs at least one slot of at least one row")
-        shape = (config.num_layers, num_slots, config.num_kv_heads, max_len, config.head_dim)
+        rows = max_len + spare_rows
+        shape = (config.num_layers, num_slots, config.num_kv_heads, rows, config.head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [L, S, kv_heads, T, hd]
         self.values = torch.zeros(shape, dtype=dtype, device=device)  # [L, S, kv_heads, T, hd]
         self.lengths = torch.zeros(num_slots, dtype=torch.int64)  # [S] committed rows per slot
         self.max_len = max_len
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._free = list(range(num_slots))  # a min-heap: the lowest free slot goes first, so
+        # running sequences stay packed at the front and a captured step's window stays small
         self._run_of: tuple[torch.Tensor | None, slice | None] = (None, None)
 
     @property
@@ -52,7 +59,7 @@ class KVCache:
         """Take a free slot (empty prefix)."""
         if not self._free:
             raise CacheFullError(f"all {self.num_slots} KV slots are in use")
-        slot = self._free.pop()
+        slot = heapq.heappop(self._free)
         self.lengths[slot] = 0
         return slot
 
@@ -61,7 +68,7 @@ class KVCache:
         if slot in self._free or not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} is not allocated")
         self.lengths[slot] = 0
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
 
     def check_room(self, slots: torch.Tensor, num_new: int) -> None:
         """Raise unless every slot has room for ``num_new`` more rows."""
@@ -85,10 +92,18 @@ class KVCache:
         self.keys[layer][index] = keys.transpose(1, 2).to(self.keys.dtype)
         self.values[layer][index] = values.transpose(1, 2).to(self.values.dtype)
 
+    @property
+    def num_rows(self) -> int:
+        """Rows per slot, spare rows included (what a forward may write)."""
+        return self.keys.shape[3]
+
     def read(
-        self, layer: int, slots: torch.Tensor, kv_len: int
+        self, layer: int, slots: torch.Tensor | slice, kv_len: int
     ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [B, kv_heads, kv_len, hd]
-        """The first ``kv_len`` rows of each slot (a view when the slots are contiguous)."""
+        """The first ``kv_len`` rows of each slot: a view when ``slots`` is a slice (a
+        captured step's window, no host sync) or a run of consecutive slots."""
+        if isinstance(slots, slice):
+            return self.keys[layer, slots, :, :kv_len], self.values[layer, slots, :, :kv_len]
         run = self._contiguous_run(slots)
         if run is not None:
             return self.keys[layer, run, :, :kv_len], self.values[layer, run, :, :kv_len]

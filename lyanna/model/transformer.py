@@ -12,7 +12,8 @@ committed. The fused projections (``wqkv``, ``w13``) follow gpt-fast: fewer, lar
 
 from __future__ import annotations
 
-from functools import cached_property
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -60,21 +61,29 @@ def grouped_attention(
     keys: torch.Tensor,  # [B, kv_heads, kv, hd]
     values: torch.Tensor,  # [B, kv_heads, kv, hd]
     mask: torch.Tensor | None,  # [B, 1, q, kv] bool, True = may attend; None = all
+    dtype: torch.dtype | None = None,  # compute dtype; None = the inputs'
 ) -> torch.Tensor:  # [B, heads, q, hd]
     """Plain attention for a few new tokens per sequence: the query heads of one key/value
-    head share one batched matmul (no repeated keys), and the mask is applied as it is.
-    Used for float64 batches: at batch 32 / 300-610 cached rows a q4 decode step took 335 ms with it
-    and 973 ms with the CPU flash kernel, which splits work per (sequence, head, 32 queries)
-    and converts the mask per call; at batch 1 the flash kernel is faster (measured)."""
+    head share one batched matmul (no repeated keys), the mask is applied as it is and the
+    softmax runs in at least float32 (bf16 scores lose the last digits of a long context).
+    Used for float64 batches (at batch 32 / 300-610 cached rows a q4 decode step took 335 ms
+    with it and 973 ms with the CPU flash kernel, which splits work per (sequence, head, 32
+    queries) and converts the mask per call) and by every captured step: a fixed sequence of
+    kernels whose shapes depend only on the bucket, which no fused kernel gives with grouped
+    heads and a mask (see ``cuda_attention``)."""
+    if dtype is not None:
+        q, keys, values = (t.to(dtype) for t in (q, keys, values))
     B, heads, nq, hd = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads  # heads h*group .. h*group + group - 1 read kv head h
     q = q.reshape(B, kv_heads, group * nq, hd)
-    scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(hd**-0.5)  # [B, kvh, g*q, kv]
+    scores = torch.matmul(q, keys.transpose(-1, -2))  # [B, kvh, g*q, kv]
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).mul_(hd**-0.5)
     if mask is not None:
         full = mask.expand(B, group, nq, mask.shape[-1]).reshape(B, 1, group * nq, -1)
         scores.masked_fill_(~full, float("-inf"))
-    return torch.matmul(scores.softmax(dim=-1), values).view(B, heads, nq, hd)
+    probs = scores.softmax(dim=-1).to(values.dtype)
+    return torch.matmul(probs, values).view(B, heads, nq, hd)
 
 
 class Attention(nn.Module):
@@ -105,19 +114,27 @@ class Attention(nn.Module):
         xk = qk[:, :, nh:].transpose(1, 2)
         xv = qkv[:, :, nh + nkv :].transpose(1, 2)
         ctx.cache.write(layer, ctx.slots, ctx.rows, xk, xv)
-        keys, values = ctx.cache.read(layer, ctx.slots, ctx.kv_len)
-        attention_dtype = getattr(ctx, "attention_dtype", None)  # drafters' contexts: None
-        is_causal = getattr(ctx, "is_causal", False)
-        if attention_dtype is not None:
-            xq, keys, values = (t.to(attention_dtype) for t in (xq, keys, values))
-        if attention_dtype is not None and not is_causal and B > 1:
-            out = grouped_attention(xq, keys, values, ctx.mask).to(x.dtype)
-        elif x.is_cuda:
-            out = cuda_attention(xq, keys, values, ctx.mask, is_causal).to(x.dtype)
+        keys, values = ctx.cache.read(layer, ctx.read_slots, ctx.kv_len)
+        mask = ctx.attention_mask()
+        # a captured step (one kernel sequence on every device, no host sync) or a float64
+        # batch (see ``grouped_attention``)
+        grouped = ctx.attention_dtype is not None and not ctx.is_causal and B > 1
+        if ctx.static or grouped:
+            out = grouped_attention(xq, keys, values, mask, ctx.attention_dtype).to(x.dtype)
         else:
-            out = F.scaled_dot_product_attention(
-                xq, keys, values, attn_mask=ctx.mask, is_causal=is_causal, enable_gqa=nkv != nh
-            ).to(x.dtype)
+            if ctx.attention_dtype is not None:
+                xq, keys, values = (t.to(ctx.attention_dtype) for t in (xq, keys, values))
+            if x.is_cuda:
+                out = cuda_attention(xq, keys, values, mask, ctx.is_causal).to(x.dtype)
+            else:
+                out = F.scaled_dot_product_attention(
+                    xq,
+                    keys,
+                    values,
+                    attn_mask=mask,
+                    is_causal=ctx.is_causal,
+                    enable_gqa=nkv != nh,
+                ).to(x.dtype)
         return self.wo(out.transpose(1, 2).reshape(B, q, self.num_heads * hd))
 
 
@@ -206,59 +223,96 @@ class Block(nn.Module):
         return out.view(B, q, d).to(x.dtype)
 
 
+@dataclass(eq=False)
 class ForwardContext:
-    """Per-forward tensors shared by all layers: cache rows to write, mask, rotary tables."""
+    """Per-forward tensors shared by all layers: which slots and cache rows the new tokens
+    write, which slots and how many rows attention reads, the mask over them and the rotary
+    tables. One class for every forward: a target step built on the host (``eager_context``)
+    or on the device (``lyanna.model.static_step``), a drafter's tree step."""
 
-    def __init__(
-        self,
-        cache: KVCache,
-        slots: torch.Tensor,  # [B] int64
-        positions: torch.Tensor,  # [B, q] int64
-        tree_mask: torch.Tensor | None,  # [B, q, q] bool, True = may attend; None = causal
-        cos_table: torch.Tensor,
-        sin_table: torch.Tensor,
-        attention_dtype: torch.dtype | None = None,
-    ) -> None:
-        B, q = positions.shape
-        lengths = cache.lengths[slots]  # [B] (the cache keeps its lengths on the CPU)
-        self.kv_len = int(lengths.max()) + q
-        cache.check_length(self.kv_len)
-        self.cache, self.slots = cache, slots
-        self.lengths, self.tree_mask = lengths, tree_mask  # for the native decoder
-        self.attention_dtype = attention_dtype
-        # a fresh prompt alone: causal attention over exactly its own rows, no mask to build
-        self.is_causal = tree_mask is None and q > 1 and B == 1 and int(lengths[0]) == 0
-        # the KV's device (a GPU model's): rows index its cache and the mask meets its
-        # queries there, moved once per forward rather than in every layer (CPU: no copy)
-        self.device = cache.keys.device
-        self._cpu_rows = lengths[:, None] + torch.arange(q)  # [B, q]
-        self.rows = self._cpu_rows.to(self.device)
-        self.cos = cos_table[positions].unsqueeze(1)  # [B, 1, q, hd]
-        self.sin = sin_table[positions].unsqueeze(1)
+    cache: KVCache
+    slots: torch.Tensor  # [B] int64: the slot each batch row writes
+    rows: torch.Tensor  # [B, q] int64: the cache row each new token writes
+    kv_len: int  # rows attention reads per slot
+    cos: torch.Tensor  # [B, 1, q, hd]
+    sin: torch.Tensor  # [B, 1, q, hd]
+    mask: torch.Tensor | None  # [B, 1, q, kv_len] bool, True = may attend; None = all
+    read_slots: torch.Tensor | slice | None = None  # what attention reads; None = ``slots``
+    attention_dtype: torch.dtype | None = None
+    is_causal: bool = False  # a fresh prompt alone: causal attention, no mask
+    static: bool = False  # a captured step's context: device tensors of fixed shapes only
+    lengths: torch.Tensor | None = None  # [B] committed rows, on the CPU (native decoder)
+    tree_mask: torch.Tensor | None = None  # [B, q, q] (native decoder)
+    mask_builder: Callable[[], torch.Tensor | None] | None = None  # ``mask`` on first use
 
-    @cached_property
-    def mask(self) -> torch.Tensor | None:  # [B, 1, q, kv_len] bool, or None
-        """Built on first use: the eager attention reads it, the native decoder does not."""
-        q = self.rows.shape[1]
-        if self.is_causal:
-            return None
-        mask = self._build_mask(self.lengths, q, self.tree_mask)
-        return None if mask is None else mask.to(self.device)
+    def __post_init__(self) -> None:
+        if self.read_slots is None:
+            self.read_slots = self.slots
 
-    def _build_mask(
-        self, lengths: torch.Tensor, q: int, tree_mask: torch.Tensor | None
-    ) -> torch.Tensor | None:  # [B, 1, q, kv_len] bool
-        B = lengths.shape[0]
-        if tree_mask is None:
-            tree_mask = causal_mask(B, q)
-            if q == 1 and (B == 1 or bool((lengths == lengths[0]).all())):
-                return None  # one new token per sequence, equal lengths: attend to all
-        cols = torch.arange(self.kv_len)
-        mask = (cols[None, None, :] < lengths[:, None, None]).expand(B, q, self.kv_len).clone()
-        batch_idx = torch.arange(B)[:, None, None]
-        query_idx = torch.arange(q)[None, :, None]
-        mask[batch_idx, query_idx, self._cpu_rows[:, None, :]] = tree_mask.cpu()
-        return mask.unsqueeze(1)
+    def attention_mask(self) -> torch.Tensor | None:
+        """``mask``, built on first use when a builder was given: the eager attention reads
+        it, the native decoder does not."""
+        if self.mask_builder is not None:
+            self.mask, self.mask_builder = self.mask_builder(), None
+        return self.mask
+
+
+def eager_context(
+    cache: KVCache,
+    slots: torch.Tensor,  # [B] int64
+    positions: torch.Tensor,  # [B, q] int64
+    tree_mask: torch.Tensor | None,  # [B, q, q] bool, True = may attend; None = causal
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    attention_dtype: torch.dtype | None = None,
+) -> ForwardContext:
+    """A forward's context built from the cache's CPU lengths: reads exactly the rows in use
+    (its shapes follow the context length), for prefills and the native decoder."""
+    B, q = positions.shape
+    lengths = cache.lengths[slots]  # [B] (the cache keeps its lengths on the CPU)
+    kv_len = int(lengths.max()) + q
+    cache.check_length(kv_len)
+    # a fresh prompt alone: causal attention over exactly its own rows, no mask to build
+    is_causal = tree_mask is None and q > 1 and B == 1 and int(lengths[0]) == 0
+    # the KV's device (a GPU model's): rows index its cache and the mask meets its queries
+    # there, moved once per forward rather than in every layer (CPU: no copy)
+    device = cache.keys.device
+    cpu_rows = lengths[:, None] + torch.arange(q)  # [B, q]
+
+    def build_mask() -> torch.Tensor | None:
+        mask = None if is_causal else _eager_mask(lengths, cpu_rows, kv_len, tree_mask)
+        return None if mask is None else mask.to(device)
+
+    return ForwardContext(
+        cache=cache,
+        slots=slots,
+        rows=cpu_rows.to(device),
+        kv_len=kv_len,
+        cos=cos_table[positions].unsqueeze(1),
+        sin=sin_table[positions].unsqueeze(1),
+        mask=None,
+        mask_builder=build_mask,
+        attention_dtype=attention_dtype,
+        is_causal=is_causal,
+        lengths=lengths,
+        tree_mask=tree_mask,
+    )
+
+
+def _eager_mask(
+    lengths: torch.Tensor, rows: torch.Tensor, kv_len: int, tree_mask: torch.Tensor | None
+) -> torch.Tensor | None:  # [B, 1, q, kv_len] bool
+    B, q = rows.shape
+    if tree_mask is None:
+        tree_mask = causal_mask(B, q)
+        if q == 1 and (B == 1 or bool((lengths == lengths[0]).all())):
+            return None  # one new token per sequence, equal lengths: attend to all
+    cols = torch.arange(kv_len)
+    mask = (cols[None, None, :] < lengths[:, None, None]).expand(B, q, kv_len).clone()
+    batch_idx = torch.arange(B)[:, None, None]
+    query_idx = torch.arange(q)[None, :, None]
+    mask[batch_idx, query_idx, rows[:, None, :]] = tree_mask.cpu()
+    return mask.unsqueeze(1)
 
 
 class Transformer(nn.Module):
@@ -293,12 +347,15 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+    def new_cache(self, num_slots: int, max_len: int, spare_rows: int = 0) -> KVCache:
+        """A cache of ``num_slots`` sequences of up to ``max_len`` rows (capped by the model's
+        context), each with ``spare_rows`` rows that forwards may write but never keep."""
         max_len = min(max_len, self.config.max_position_embeddings)
         # float64 attention keeps its keys and values in float64: converting every cached row
         # on every layer of every step cost more than the attention itself (measured)
         dtype = self.kv_dtype or self.attention_dtype or self.dtype
-        return KVCache(self.config, num_slots, max_len, dtype, self.embed_tokens.weight.device)
+        device = self.embed_tokens.weight.device
+        return KVCache(self.config, num_slots, max_len, dtype, device, spare_rows)
 
     @torch.inference_mode()
     def forward(
@@ -319,7 +376,7 @@ class Transformer(nn.Module):
         tokens, positions = tokens.to(device), positions.to(device)
         if self.native is not None:
             return self._native_forward(tokens, positions, cache, slots, tree_mask)
-        ctx = ForwardContext(
+        ctx = eager_context(
             cache, slots, positions, tree_mask, self.rope_cos, self.rope_sin, self.attention_dtype
         )
         x = self.embed_tokens(tokens)

@@ -40,7 +40,7 @@ class Greedy(RuleBase):
         generator: torch.Generator | None = None,
     ) -> list[Verdict]:
         return [
-            _greedy_verdict(tree, argmax_rows(probs))  # no copy of the rows
+            greedy_verdict(tree, argmax_rows(probs))  # no copy of the rows
             for tree, probs in zip(trees, target_probs, strict=True)
         ]
 
@@ -55,7 +55,7 @@ class Greedy(RuleBase):
         return [Branch(path=tuple(verdict.path), probability=1.0, next_token_probs=one_hot)]
 
 
-def _greedy_verdict(tree: TokenTree, best: list[int]) -> Verdict:
+def greedy_verdict(tree: TokenTree, best: list[int]) -> Verdict:
     """Walk the tree in node order (parents come first): a node is accepted when its parent
     is and its token is the target's argmax there; the verdict ends at the first of the
     deepest accepted nodes. A few list lookups per node, no tensor op."""

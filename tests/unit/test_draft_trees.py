@@ -16,11 +16,11 @@ from torch.profiler import record_function
 
 from lyanna.draft_nodes import DraftNodes, merge_trees
 from lyanna.drafters.base import DraftBudget, VerifiedStep
-from lyanna.drafters.dynamic_tree import TreeContext
 from lyanna.drafters.eagle import EagleDrafter
 from lyanna.drafters.lyanna import _token_paths
 from lyanna.drafters.scopes import LAYER_SCOPE, SOFTMAX_SCOPE
 from lyanna.drafters.token_info_tree import build_subtree, build_subtrees, resample_subtree
+from lyanna.model.transformer import ForwardContext
 from lyanna.tree import DraftScheme, TokenTree
 from tests.conftest import make_tiny_model
 from tests.unit.test_eagle import random_head
@@ -115,7 +115,7 @@ def reference_tree_forward(self, lengths, slots, depth, parent_states, tokens, a
         for j in range(k):
             mask[b, j, ancestor_rows[b][j] + [int(rows[b, j])]] = True
     positions = (lengths + depth - 1)[:, None].expand(B, k)
-    ctx = TreeContext(
+    ctx = ForwardContext(
         cache=self.cache,
         slots=slots,
         rows=rows,

@@ -181,9 +181,8 @@ def test_native_rejects_malformed_input(extension) -> None:
 def test_native_drafter_layer_matches_eager(weight_dtype, extension) -> None:
     """A drafter's layer (oneDNN-prepacked weights) in the native decoder, under both kinds of
     context it meets: the engine's ``ForwardContext`` and a tree step's explicit rows and mask."""
-    from lyanna.drafters.dynamic_tree import TreeContext
     from lyanna.model.cpu_kernels import prepack_linears
-    from lyanna.model.transformer import ForwardContext
+    from lyanna.model.transformer import ForwardContext, eager_context
 
     eager, native = (make_tiny_model(3).layers[0] for _ in range(2))  # the same weights
     config = make_tiny_model(3).config
@@ -197,7 +196,7 @@ def test_native_drafter_layer_matches_eager(weight_dtype, extension) -> None:
         cache = KVCache(config, 2, 32)
         slots = torch.tensor([cache.allocate(), cache.allocate()])
         prefix = torch.randn(2, 6, config.hidden_size, generator=torch.Generator().manual_seed(1))
-        ctx = ForwardContext(cache, slots, torch.arange(6).expand(2, 6), None, cos, sin)
+        ctx = eager_context(cache, slots, torch.arange(6).expand(2, 6), None, cos, sin)
         first = block(prefix, ctx, 0)
         for s in slots.tolist():
             cache.commit(s, torch.arange(6))
@@ -208,7 +207,7 @@ def test_native_drafter_layer_matches_eager(weight_dtype, extension) -> None:
         mask[:, 0, [0, 1, 2], [6, 7, 8]] = True
         mask[1, 0, 2, 6] = True  # node 2 of sequence 1 is node 0's child
         positions = torch.tensor([[6, 6, 6], [6, 6, 7]])
-        tree = TreeContext(
+        tree = ForwardContext(
             cache, slots, rows, 9, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1), mask
         )
         x = torch.randn(2, 3, config.hidden_size, generator=gen)

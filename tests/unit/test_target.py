@@ -51,9 +51,10 @@ def test_prefill_accepts_stop_strings_it_leaves_to_the_caller() -> None:
 def test_a_batch_verifies_in_slot_order_and_reads_the_kv_as_a_view() -> None:
     """After a retirement the next sequence reuses the freed slot, so arrival order and slot
     order differ; the forward runs in slot order (a contiguous run reads the KV without a
-    copy) and every sequence still gets its own verdict, the same as alone."""
+    copy) and every sequence still gets its own verdict, the same as alone. (The eager
+    forward's order: the static step runs slot b as row b, ``test_static_step``.)"""
     model = make_tiny_model(1, vocab_size=16)
-    runner = TargetRunner(model, TargetConfig(max_running=3, max_len=64))
+    runner = TargetRunner(model, TargetConfig(max_running=3, max_len=64, static_step=False))
     prompts = {0: [1, 2, 3], 1: [4, 5], 2: [6, 7, 8, 9]}
     for seq_id in (0, 1, 2):
         runner.prefill(seq_id, prompts[seq_id], SamplingParams(max_tokens=8))

@@ -1,0 +1,234 @@
+"""The target's decode / verify step over device-resident state of fixed shapes, captured once
+per bucket as a CUDA graph on a GPU (nano-vllm's ``model_runner`` idea, for token trees).
+
+A step runs a *window* of KV slots ``[0, batch)``: batch row b is slot b, so attention reads
+each layer's cache as a view and nothing is gathered. Sequences of the window that are not in
+this step ride along as inactive rows (one token attending to itself, written into rows past
+their committed prefix, never kept). Every tree is padded to ``rows`` nodes (padding nodes see
+only themselves), and attention reads ``kv_len`` rows per slot under a mask built on the
+device from the committed lengths. ``(batch, rows, kv_len)`` is the bucket: the shapes, and
+so the graph, depend on nothing else. The cache keeps ``ROW_BUCKETS[-1]`` spare rows per slot
+(``KVCache(spare_rows=...)``), so a padded or inactive row always has somewhere to write.
+
+The host fills four small input buffers (tokens, positions, lengths, tree masks), replays the
+step, and reads back one tensor for greedy sequences: the argmax of every node. Prefills keep
+the eager forward: their lengths vary and they run once per request.
+
+The step function is plain PyTorch: the CPU tests run it eagerly, ``bench.graph_check``
+traces it with ``torch.compile(fullgraph=True)``, and a GPU captures it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from lyanna.model.kv_cache import KVCache
+from lyanna.model.transformer import ForwardContext, Transformer
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # nodes per tree, root included
+KV_MIN_BUCKET = 128  # rows attention reads per slot: powers of two from here
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket that holds ``n``; ``ValueError`` past the largest."""
+    for size in buckets:
+        if n <= size:
+            return size
+    raise ValueError(f"{n} is past the largest bucket {buckets[-1]}")
+
+
+def kv_buckets(num_rows: int) -> tuple[int, ...]:
+    """Powers of two from ``KV_MIN_BUCKET``, capped by the rows a slot has."""
+    sizes, size = [], KV_MIN_BUCKET
+    while size < num_rows:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, num_rows)
+
+
+@dataclass(frozen=True, slots=True)
+class StepKey:
+    """One bucket: one set of shapes, one captured graph."""
+
+    batch: int  # slots in the window [0, batch)
+    rows: int  # nodes per tree after padding
+    kv_len: int  # rows attention reads per slot
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class StepInputs:
+    """What the host hands a step, on the host (copied into the bucket's device buffers)."""
+
+    tokens: torch.Tensor  # [batch, rows] int64
+    positions: torch.Tensor  # [batch, rows] int64
+    lengths: torch.Tensor  # [batch] int64 committed rows of each slot
+    tree_mask: torch.Tensor  # [batch, rows, rows] bool, True = may attend
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class StepOutputs:
+    """On the model's device; a captured step's buffers are overwritten by its next replay."""
+
+    hidden: torch.Tensor  # [batch, rows, hidden] final (post-norm) hidden states
+    logits: torch.Tensor  # [batch, rows, vocab] float32
+    best: torch.Tensor  # [batch, rows] int64 argmax of each row (lowest index on ties)
+
+
+def step_forward(
+    model: Transformer,
+    cache: KVCache,
+    window: torch.Tensor,  # [batch] int64 = arange(batch) on the cache's device
+    kv_len: int,
+    tokens: torch.Tensor,  # [batch, rows] int64
+    positions: torch.Tensor,  # [batch, rows] int64
+    lengths: torch.Tensor,  # [batch] int64
+    tree_mask: torch.Tensor,  # [batch, rows, rows] bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # hidden, logits, best
+    """One forward of the window with its logits and argmax: device tensors in, device
+    tensors out, no host sync, shapes fixed by ``(batch, rows, kv_len)``."""
+    B, q = tokens.shape
+    offsets = torch.arange(q, device=tokens.device)
+    rows = lengths[:, None] + offsets  # [B, q] the cache row each new token writes
+    cols = torch.arange(kv_len, device=tokens.device)
+    relative = cols[None, None, :] - lengths[:, None, None]  # [B, 1, kv]: new-token index
+    in_tree = tree_mask.gather(2, relative.clamp(0, q - 1).expand(B, q, kv_len))
+    mask = (relative < 0) | ((relative < q) & in_tree)  # committed rows, or the tree's
+    ctx = ForwardContext(
+        cache=cache,
+        slots=window,
+        rows=rows,
+        kv_len=kv_len,
+        cos=model.rope_cos[positions].unsqueeze(1),
+        sin=model.rope_sin[positions].unsqueeze(1),
+        mask=mask.unsqueeze(1),
+        read_slots=slice(0, B),
+        attention_dtype=model.attention_dtype,
+        static=True,
+    )
+    x = model.embed_tokens(tokens)
+    for i, layer in enumerate(model.layers):
+        x = layer(x, ctx, i)
+    hidden = model.norm(x)
+    logits = model.lm_head(hidden).float()
+    return hidden, logits, logits.argmax(dim=-1)
+
+
+StepFunction = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+class _Captured:
+    """One bucket's CUDA graph: static input buffers, the graph, its output buffers."""
+
+    def __init__(
+        self, fn: StepFunction, inputs: StepInputs, device: torch.device, pool: object
+    ) -> None:
+        self.buffers = [t.to(device) for t in _fields(inputs)]
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):  # warm up (allocator, cuBLAS handles) off the graph
+            for _ in range(2):
+                fn(*self.buffers)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.outputs = fn(*self.buffers)
+
+    def replay(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        for buffer, value in zip(self.buffers, _fields(inputs), strict=True):
+            buffer.copy_(value, non_blocking=True)
+        self.graph.replay()
+        return self.outputs
+
+
+def _fields(inputs: StepInputs) -> tuple[torch.Tensor, ...]:
+    return inputs.tokens, inputs.positions, inputs.lengths, inputs.tree_mask
+
+
+class StaticStep:
+    """Runs ``step_forward`` per bucket: captured as a CUDA graph when ``capture`` (the
+    default on a GPU), eagerly otherwise, or through ``wrap`` (``bench.graph_check`` passes
+    ``torch.compile``). ``keys_seen`` lists the buckets run so far, in first-use order."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        cache: KVCache,
+        capture: bool | None = None,
+        wrap: Callable[[StepFunction], StepFunction] | None = None,
+    ) -> None:
+        if cache.num_rows < cache.max_len + ROW_BUCKETS[-1]:
+            raise ValueError("a static step needs a cache with ROW_BUCKETS[-1] spare rows")
+        self.model, self.cache = model, cache
+        self.device = cache.keys.device
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        self.wrap = wrap
+        self.kv_buckets = kv_buckets(cache.num_rows)
+        self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < cache.num_slots) + (
+            cache.num_slots,
+        )
+        self.keys_seen: list[StepKey] = []
+        self._functions: dict[StepKey, StepFunction] = {}
+        self._graphs: dict[StepKey, _Captured] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self._window = torch.arange(cache.num_slots, device=self.device)
+
+    def key_for(self, max_slot: int, max_nodes: int) -> StepKey:
+        """The bucket of a step whose highest slot is ``max_slot`` and largest tree has
+        ``max_nodes`` nodes (from the cache's CPU lengths: no device read)."""
+        batch = bucket(max_slot + 1, self.batch_buckets)
+        rows = bucket(max_nodes, ROW_BUCKETS)
+        longest = int(self.cache.lengths[:batch].max())
+        return StepKey(batch, rows, bucket(longest + rows, self.kv_buckets))
+
+    @torch.inference_mode()
+    def run(self, key: StepKey, inputs: StepInputs) -> StepOutputs:
+        if key not in self._functions:
+            self.keys_seen.append(key)
+            self._functions[key] = self._function(key)
+        function = self._functions[key]
+        if not self.capture:
+            moved = (t.to(self.device) for t in _fields(inputs))
+            return StepOutputs(*function(*moved))
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = _Captured(function, inputs, self.device, self._pool)
+        return StepOutputs(*graph.replay(inputs))
+
+    def _function(self, key: StepKey) -> StepFunction:
+        model, cache, window = self.model, self.cache, self._window[: key.batch]
+
+        def step(tokens, positions, lengths, tree_mask):
+            return step_forward(
+                model, cache, window, key.kv_len, tokens, positions, lengths, tree_mask
+            )
+
+        return self.wrap(step) if self.wrap is not None else step
+
+
+def window_inputs(
+    key: StepKey,
+    lengths: torch.Tensor,  # [num_slots] int64, the cache's CPU lengths
+    slots: list[int],
+    tokens: list[list[int]],  # each sequence's tree tokens, root first
+    depths: list[list[int]],  # each node's depth, root 0
+    masks: list[torch.Tensor],  # each [n, n] bool: node i may attend to node j
+    max_position: int,  # the model's last position (a full inactive slot's next is past it)
+) -> StepInputs:
+    """The host side of a step: trees placed at their slots' rows, everything else padding
+    (inactive slots and padding nodes: token 0 at the slot's next position, seeing only
+    itself)."""
+    B, q = key.batch, key.rows
+    window_lengths = lengths[:B].clone()
+    token_grid = torch.zeros(B, q, dtype=torch.int64)
+    position_grid = window_lengths.clamp(max=max_position)[:, None].repeat(1, q)
+    mask_grid = torch.eye(q, dtype=torch.bool).repeat(B, 1, 1)
+    for slot, ids, depth, mask in zip(slots, tokens, depths, masks, strict=True):
+        n = len(ids)
+        token_grid[slot, :n] = torch.tensor(ids, dtype=torch.int64)
+        position_grid[slot, :n] += torch.tensor(depth, dtype=torch.int64)
+        mask_grid[slot, :n, :n] = mask
+    return StepInputs(token_grid, position_grid, window_lengths, mask_grid)
