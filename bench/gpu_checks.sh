@@ -8,11 +8,16 @@
 # which cost the 2026-11-27 session its float32 and T = 1 runs). How the machine here was fed
 # (the GGUF in two calls under the 64 MiB limit): training/gpu_device_run.sh.
 #   BUDGET_S=540 OUT=/tmp/out bash bench/gpu_checks.sh
+# (the services' packages the image lacks: run bench/gpu_wheels.sh here first and carry .whl)
 # (DEVICE=cpu TOKENS=8 runs the same steps on a CPU in a few minutes: a check of the script)
 set -u
 export PYTHONUNBUFFERED=1 LYANNA_NATIVE=0
 BUDGET_S=${BUDGET_S:-540} OUT=${OUT:-runs/gpu-checks} TOKENS=${TOKENS:-64} DEVICE=${DEVICE:-cuda}
 mkdir -p "$OUT"
+if [ -d .whl ]; then  # the packages the image lacks (bench/gpu_wheels.sh), carried as wheels
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 t0=$(date +%s)
 END=$((t0 + BUDGET_S))
 say() { echo "[$(($(date +%s) - t0))s] $*" | tee -a "$OUT/timeline.txt"; }
