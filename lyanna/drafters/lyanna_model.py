@@ -21,10 +21,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from lyanna.drafters.heads import full_vocab_hits
 from lyanna.model.config import ModelConfig
 from lyanna.model.transformer import Block, ForwardContext, RMSNorm, rope_tables
 
@@ -165,54 +163,3 @@ def _training_context(store, positions, mask, cos_table, sin_table) -> ForwardCo
         sin=sin_table[positions][None, None],
         mask=mask[None, None],  # [1, 1, q, keys]
     )
-
-
-def draft_loss(
-    model: LyannaDraftModel,
-    hidden: torch.Tensor,  # [B, T, n] float32 target hidden states
-    tokens: torch.Tensor,  # [B, T] int64
-    loss_mask: torch.Tensor,  # [B, T] bool or float weight of each token as a prediction
-    alpha: float = 1.0,
-    beta: float = 0.1,
-    steps: int | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """alpha * MSE(h, H) + beta * CE(softmax(l'), softmax(L)) averaged over the chain steps.
-
-    MSE covers every weighted position; the cross-entropy (over the hot vocabulary, target
-    renormalised on it) and the top-1/top-3 agreement with the target's argmax cover the
-    full-weight (answer) positions only: the LM-head products dominate the training cost on
-    a CPU and the answers are what the drafter must predict."""
-    steps = steps or model.config.chain_steps
-    T = hidden.shape[1]
-    weight = loss_mask.float()
-    outputs = model.unrolled(hidden, tokens, steps)
-    head = model.hot_head
-    total = hidden.new_zeros(())
-    metrics: dict[str, float] = {}
-    for i, y in enumerate(outputs, start=1):
-        valid = T - 1 - i  # anchors j with j + i + 1 < T (the token to predict exists)
-        if valid <= 0:
-            break
-        pred = y[:, :valid]  # [B, valid, n]: predicts hidden[j + i]
-        target_h = hidden[:, i : i + valid]
-        w = weight[:, i + 1 : i + 1 + valid]  # weight of the token being predicted
-        mse = ((pred - target_h).pow(2).mean(-1) * w).sum() / w.sum().clamp_min(1.0)
-        answer = w >= 1.0
-        rows = pred[answer]  # [R, n]
-        with torch.no_grad():
-            target_logp = F.log_softmax(target_h[answer] @ head.T, dim=-1)  # [R, num_hot]
-        logits = rows @ head.T + model.token_info(tokens[:, i : i + valid][answer])
-        ce = -(target_logp.exp() * F.log_softmax(logits, dim=-1)).sum(-1).mean()
-        total = total + alpha * mse + beta * ce
-        with torch.no_grad():
-            best = target_logp.argmax(-1, keepdim=True)
-            top3 = logits.topk(3, dim=-1).indices
-            metrics[f"mse{i}"] = float(mse.detach())
-            metrics[f"ce{i}"] = float(ce.detach())
-            metrics[f"top1_{i}"] = float((top3[:, :1] == best).float().mean())
-            metrics[f"top3_{i}"] = float((top3 == best).any(-1).float().mean())
-            if not model.training:  # evaluation: agreement over the full vocabulary
-                draft_ids = model.hot_ids[top3[:, 0]]
-                full = full_vocab_hits(draft_ids, target_h[answer], model.embedding)
-                metrics[f"top1_full_{i}"] = float(full.mean()) if full.numel() else 0.0
-    return total / len(outputs), metrics

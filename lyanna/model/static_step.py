@@ -134,7 +134,8 @@ class _Captured:
                 fn(*self.buffers)
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # thread_local: another thread's CUDA calls (a drafter beside it) do not void the capture
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.outputs = fn(*self.buffers)
 
     def replay(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
