@@ -340,3 +340,26 @@ def run_service(
         logging.warning("data plane not ready; hidden states travel inline")
     serve(server_config, service.add, (service.name,), on_stop=service.on_stop, watch=service.watch)
     return 0
+
+
+def start_lease_reaper(
+    reclaim: Callable[[], object], lease_seconds: float, period: float | None = None
+) -> threading.Thread | None:
+    """Call ``reclaim`` (a servicer's expired-lease sweep) from a daemon thread every
+    ``period`` seconds (default: a quarter of the lease, at most 1 s); None without leases.
+    A failed sweep is logged and the next one runs: the reaper never dies."""
+    if lease_seconds <= 0:
+        return None
+    every = period if period is not None else min(1.0, lease_seconds / 4)
+
+    def reap() -> None:
+        while True:
+            time.sleep(every)
+            try:
+                reclaim()
+            except Exception:
+                log.exception("lease reclaim failed")
+
+    thread = threading.Thread(target=reap, name="lease-reaper", daemon=True)
+    thread.start()
+    return thread

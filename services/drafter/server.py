@@ -53,6 +53,7 @@ from services.server import (
     out_of_step,
     rpc_errors,
     run_service,
+    start_lease_reaper,
 )
 
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
@@ -368,20 +369,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def start_lease_reaper(self, period: float | None = None) -> None:
         """Reclaim expired leases from a daemon thread (default: every quarter lease, at most
         1 s); a no-op without leases."""
-        if self.config.lease_seconds <= 0 or self._reaper is not None:
-            return
-        every = period if period is not None else min(1.0, self.config.lease_seconds / 4)
-
-        def reap() -> None:
-            while True:
-                time.sleep(every)
-                try:
-                    self.reclaim_expired()
-                except Exception:  # never let the reaper die on one failure
-                    log.exception("lease reclaim failed")
-
-        self._reaper = threading.Thread(target=reap, name="lease-reaper", daemon=True)
-        self._reaper.start()
+        if self._reaper is None:
+            self._reaper = start_lease_reaper(
+                self.reclaim_expired, self.config.lease_seconds, period
+            )
 
     def _drop(self, seq_id: int) -> bool:
         self._leases.pop(seq_id, None)

@@ -54,6 +54,7 @@ from services.server import (
     out_of_step,
     rpc_errors,
     run_service,
+    start_lease_reaper,
 )
 from services.verifier.config import VerifierConfig
 from services.verifier.free_drafts import FreeDrafts
@@ -370,20 +371,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def start_lease_reaper(self, period: float | None = None) -> None:
         """Reclaim expired leases from a daemon thread every ``period`` seconds (default: a
         quarter of the lease, at most 1 s); a no-op without leases."""
-        if self.config.lease_seconds <= 0 or self._reaper is not None:
-            return
-        every = period if period is not None else min(1.0, self.config.lease_seconds / 4)
-
-        def reap() -> None:
-            while True:
-                time.sleep(every)
-                try:
-                    self.reclaim_expired()
-                except Exception:  # never let the reaper die on one failure
-                    log.exception("lease reclaim failed")
-
-        self._reaper = threading.Thread(target=reap, name="lease-reaper", daemon=True)
-        self._reaper.start()
+        if self._reaper is None:
+            self._reaper = start_lease_reaper(
+                self.reclaim_expired, self.config.lease_seconds, period
+            )
 
     @rpc_errors
     def Capacity(self, request, context) -> verifier_pb2.CapacityResponse:
