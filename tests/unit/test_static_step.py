@@ -60,6 +60,19 @@ def _filled(model, prompts: dict[int, list[int]], num_slots: int = 8) -> KVCache
     return cache
 
 
+def _inputs(key: StepKey, cache: KVCache, model, trees: dict[int, TokenTree]):
+    """The step's host inputs for ``trees`` by slot."""
+    return window_inputs(
+        key,
+        cache.lengths,
+        list(trees),
+        [list(t.token_list) for t in trees.values()],
+        [list(t.depth_list) for t in trees.values()],
+        [t.attention_mask() for t in trees.values()],
+        model.config.max_position_embeddings - 1,
+    )
+
+
 def test_every_node_of_every_slot_equals_sequential_decoding() -> None:
     model = make_tiny_model(seed=3)
     rng = random.Random(7)
@@ -70,16 +83,7 @@ def test_every_node_of_every_slot_equals_sequential_decoding() -> None:
     key = step.key_for(max(prompts), max(t.num_nodes for t in trees.values()))
     assert key.batch == 8 and key.rows >= max(t.num_nodes for t in trees.values())
     assert key.kv_len == KV_MIN_BUCKET
-    inputs = window_inputs(
-        key,
-        cache.lengths,
-        list(trees),
-        [list(t.token_list) for t in trees.values()],
-        [list(t.depth_list) for t in trees.values()],
-        [t.attention_mask() for t in trees.values()],
-        model.config.max_position_embeddings - 1,
-    )
-    out = step.run(key, inputs)
+    out = step.run(key, _inputs(key, cache, model, trees))
     assert out.logits.shape == (key.batch, key.rows, 64)
     for slot, tree in trees.items():
         for node in range(tree.num_nodes):
@@ -99,31 +103,9 @@ def test_padding_and_idle_slots_leave_committed_rows_alone() -> None:
     tree = random_tree(rng, 64, max_depth=2, max_width=2)
     key = step.key_for(0, tree.num_nodes)
     assert key.batch == 1  # slot 0 alone: the window stops there
-    step.run(
-        key,
-        window_inputs(
-            key,
-            cache.lengths,
-            [0],
-            [list(tree.token_list)],
-            [list(tree.depth_list)],
-            [tree.attention_mask()],
-            model.config.max_position_embeddings - 1,
-        ),
-    )
     wide = StepKey(4, key.rows, key.kv_len)  # slot 2 rides along idle, slots 1 and 3 free
-    step.run(
-        wide,
-        window_inputs(
-            wide,
-            cache.lengths,
-            [0],
-            [list(tree.token_list)],
-            [list(tree.depth_list)],
-            [tree.attention_mask()],
-            model.config.max_position_embeddings - 1,
-        ),
-    )
+    for bucket_key in (key, wide):
+        step.run(bucket_key, _inputs(bucket_key, cache, model, {0: tree}))
     assert step.keys_seen == [key, wide]
     for slot, rows in before.items():
         assert torch.equal(cache.keys[:, slot, :, : len(prompts[slot])], rows)
