@@ -2,9 +2,10 @@
 4-bit target and for drafters' prepacked or 4-bit layers.
 
 Built on first use with torch's extension builder (a C++ compiler is needed; about a minute
-on two cores) into ``$LYANNA_NATIVE_DIR`` (default ``$LYANNA_CACHE/native``)/<key>, where the
-key covers the source, torch's version and this CPU's instruction set, so a cache shared by
-different machines never loads a binary built for another CPU. When it cannot be built,
+on two cores) into ``$LYANNA_NATIVE_DIR`` (default ``$LYANNA_CACHE/native``)/<key>-<checkout>,
+where the key covers the source, torch's version and this CPU's instruction set, so a cache
+shared by different machines never loads a binary built for another CPU, and the checkout
+is a hash of the source's path. When it cannot be built,
 ``load_decoder`` returns None and the model runs its eager path (``LYANNA_NATIVE=0`` forces
 that).
 """
@@ -74,7 +75,12 @@ def _build(flags: tuple[str, ...]) -> ModuleType | None:
     from torch.utils.cpp_extension import load
 
     key = build_key(flags)
-    build_dir = Path(os.environ.get("LYANNA_NATIVE_DIR", cache_root() / "native")) / key
+    # one build directory per checkout too: ninja's build file names the source by its path,
+    # so two checkouts sharing a directory rebuild each other's library over and over (and a
+    # process killed mid-build leaves torch's lock behind for every later one)
+    checkout = hashlib.sha256(str(SOURCE.resolve()).encode()).hexdigest()[:8]
+    root = Path(os.environ.get("LYANNA_NATIVE_DIR", cache_root() / "native"))
+    build_dir = root / f"{key}-{checkout}"
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         return load(
