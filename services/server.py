@@ -168,6 +168,26 @@ class ComputeWatch:
             return 0.0 if self._pending == 0 else max(0.0, self._clock() - self._progress)
 
 
+class WatchedLock:
+    """A lock a ``ComputeWatch`` follows: waiting for it counts as pending work and holding it
+    as a job, so a forward that hangs while holding it shows as a growing stall (the drafter:
+    its RPCs run on gRPC's threads, one at a time under this lock)."""
+
+    def __init__(self, watch: ComputeWatch) -> None:
+        self.watch = watch
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> WatchedLock:
+        self.watch.submitted()
+        self._lock.acquire()
+        self.watch.started()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+        self.watch.finished()
+
+
 class Health:
     """The health statuses of one server: liveness from a ``ComputeWatch`` (polled by a
     daemon thread), readiness from liveness and draining."""

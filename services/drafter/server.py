@@ -46,8 +46,10 @@ from services.hidden import HiddenReceiver
 from services.metrics import DrafterMetrics
 from services.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
 from services.server import (
+    ComputeWatch,
     Service,
     ServiceError,
+    WatchedLock,
     invalid,
     not_found,
     out_of_step,
@@ -83,7 +85,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self._starts: dict[int, int] = {}  # seq id -> which Start began its state
         self._start_ids = count()
         self.metrics = DrafterMetrics()
-        self._lock = threading.Lock()
+        self.watch = ComputeWatch(clock)  # liveness: a forward hung under the lock
+        self._lock = WatchedLock(self.watch)
         self._clock = clock
         self._leases: dict[int, float] = {}  # seq id -> when its lease runs out (clock)
         self.num_reclaimed = 0  # sequences whose lease ran out
@@ -428,7 +431,9 @@ def start_service(config: DrafterConfig, server_config: ServerConfig) -> Service
             plane.close()
 
     add = functools.partial(drafter_pb2_grpc.add_DrafterServicer_to_server, servicer)
-    return Service(SERVICE_NAME, add, servicer.metrics.registry, plane, on_stop=stop)
+    return Service(
+        SERVICE_NAME, add, servicer.metrics.registry, plane, on_stop=stop, watch=servicer.watch
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

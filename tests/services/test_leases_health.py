@@ -25,7 +25,13 @@ from services.config import ServerConfig
 from services.drafter.server import DrafterConfig, DrafterServicer
 from services.hidden import HiddenReceiver, HiddenSender
 from services.launch import launch
-from services.pb import common_pb2, drafter_pb2, verifier_pb2, verifier_pb2_grpc
+from services.pb import (
+    common_pb2,
+    drafter_pb2,
+    drafter_pb2_grpc,
+    verifier_pb2,
+    verifier_pb2_grpc,
+)
 from services.server import LIVENESS, READINESS, ComputeWatch, start_server
 from services.verifier.config import VerifierConfig
 from services.verifier.server import SERVICE_NAME, VerifierServicer
@@ -196,6 +202,46 @@ def test_liveness_turns_false_when_the_compute_thread_hangs() -> None:
             assert health_status(channel, READINESS) == NOT_SERVING
             assert health_status(channel, SERVICE_NAME) == NOT_SERVING
             assert health_status(channel, LIVENESS) == SERVING
+    finally:
+        gate.set()
+        running.server.stop(0).wait()
+
+
+def test_the_drafter_s_liveness_turns_false_when_a_forward_hangs_under_its_lock() -> None:
+    """The drafter's RPCs run one at a time under a watched lock: a forward that hangs while
+    holding it (another call queued behind) turns liveness NOT_SERVING, and it recovers."""
+    config = DrafterConfig(method="ngram", depth=4, top_k=2, max_draft_tokens=6)
+    receiver = HiddenReceiver(32, torch.float32)
+    servicer = DrafterServicer(NgramDrafter(config.shape()), config, receiver, 16)
+
+    def add(server: grpc.Server) -> None:
+        drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
+
+    running = start_server(
+        ServerConfig(hang_seconds=1.0), add, ("lyanna.v1.Drafter",), watch=servicer.watch
+    )
+    gate, holding = threading.Event(), threading.Event()
+
+    def hung_forward() -> None:
+        with servicer._lock:
+            holding.set()
+            gate.wait(60)
+
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            time.sleep(2.5)  # idle past hang_seconds: alive
+            assert health_status(channel, LIVENESS) == SERVING
+            hung = threading.Thread(target=hung_forward)
+            hung.start()
+            assert holding.wait(30)
+            queued = threading.Thread(target=lambda: servicer._lock.__enter__() and None)
+            queued.start()  # a second call waits behind the hung one
+            wait_for_status(channel, LIVENESS, NOT_SERVING, within=30)
+            gate.set()
+            hung.join(30)
+            queued.join(30)
+            servicer._lock.__exit__(None, None, None)  # the queued call finishes
+            wait_for_status(channel, LIVENESS, SERVING, within=30)
     finally:
         gate.set()
         running.server.stop(0).wait()
