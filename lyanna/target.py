@@ -276,8 +276,14 @@ class TargetRunner:
         # order sequences arrived in), every layer reads the KV as a view instead of a copy
         order = sorted(range(len(states)), key=lambda i: states[i].slot)
         slots_tensor = torch.tensor([states[i].slot for i in order])
-        packed = pack_trees([trees[i] for i in order], cache.lengths[slots_tensor])
-        hidden = self.model(packed.tokens, packed.positions, cache, slots_tensor, packed.mask)
+        if all(tree.num_nodes == 1 for tree in trees):  # plain decoding: one row each, no
+            # tree mask to build (the causal default is the same); the loop's hottest case
+            tokens = torch.tensor([[trees[i].token_list[0]] for i in order])
+            positions = cache.lengths[slots_tensor][:, None]
+            hidden = self.model(tokens, positions, cache, slots_tensor)
+        else:
+            packed = pack_trees([trees[i] for i in order], cache.lengths[slots_tensor])
+            hidden = self.model(packed.tokens, packed.positions, cache, slots_tensor, packed.mask)
         logits = self.model.logits(hidden)  # [B, n_max, vocab], rows in slot order
         row_of = [0] * len(order)
         for row, i in enumerate(order):
