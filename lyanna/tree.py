@@ -190,8 +190,13 @@ class TokenTree:
 
     @classmethod
     def root_only(cls, root_token: int) -> TokenTree:
-        """No draft: verifying it is one step of plain autoregressive decoding."""
-        return cls.chain(root_token, [], scheme=DraftScheme.TOPK)
+        """No draft: verifying it is one step of plain autoregressive decoding (built
+        directly, not as an empty chain: plain decoding makes one per token)."""
+        return cls(
+            tokens=torch.tensor([root_token], dtype=torch.int64),
+            parents=torch.tensor([-1], dtype=torch.int64),
+            scheme=DraftScheme.TOPK,
+        )
 
     # -- structure -----------------------------------------------------------------------
 
