@@ -2,8 +2,9 @@
 
 The gateway owns the request lifecycle (parsing, tokenizing, streaming, metrics); a
 ``GenerationBackend`` turns one tokenized request into a stream of ``TokenDelta`` events.
-Two backends implement it: the embedded one (drafter and verifier in this process, for a
-laptop) and the remote one (drafter and verifier gRPC services, asynchronous pipeline).
+Two backends implement it, one adapter (``gateway.adapter``) over the two engines of one
+step loop: the embedded one (``SpecEngine``, drafter and verifier in this process, for a
+laptop) and the remote one (``remote_engine.RemoteEngine``, the gRPC services).
 Backends never touch Prometheus: each delta carries the speculation facts of the
 verification that produced it, and the gateway records them (one registry of names).
 """
@@ -44,16 +45,20 @@ class StepFacts:
 
     @classmethod
     def of(cls, item: Emitted) -> StepFacts:
-        """The facts of an in-process step (``lyanna.scheduler.Emitted`` with its verdict)."""
+        """The facts of a step (``lyanna.scheduler.Emitted`` with its verification: a local
+        ``Verdict`` or a verifier service's ``VerifyResult``, which counts ``num_drafted``)."""
         verdict = item.verdict
+        drafted = getattr(verdict, "num_drafted", None)
+        drafted = sum(verdict.num_drafted_per_depth) if drafted is None else drafted
         return cls(
             method=item.sequence.method,
-            num_drafted=sum(verdict.num_drafted_per_depth),
+            num_drafted=drafted,
             num_accepted=verdict.num_accepted,
             num_resampled_accepted=item.num_resampled_accepted,
-            fallback_drafted=item.source == "fallback" and any(verdict.num_drafted_per_depth),
+            fallback_drafted=item.source == "fallback" and drafted > 0,
             draft_seconds=item.timing.draft_seconds,
             verify_seconds=item.timing.verify_seconds,
+            drafter_fallback=item.drafter_fallback,
         )
 
 

@@ -148,8 +148,8 @@ async def soak(args: argparse.Namespace) -> SoakTally:
                     tally,
                 )
                 await asyncio.sleep(0.2)  # releases of cancelled requests are in flight
-                capacity = await backend._verifier.Capacity(
-                    verifier_pb2.CapacityRequest(), timeout=10
+                capacity = await backend.on_services(
+                    lambda e: e.verifier.Capacity(verifier_pb2.CapacityRequest(), timeout=10)
                 )
                 held = capacity.total_slots - capacity.free_slots
                 tally.slots_leaked_max = max(tally.slots_leaked_max, held)

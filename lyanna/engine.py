@@ -4,8 +4,9 @@
 method's drafter proposes trees for its sequences, then ONE target forward verifies every
 tree of the batch, whatever drafted it) -> postprocess (the scheduler commits the verdicts
 and counts them; each drafter learns its sequences' steps) -> retire finished sequences.
-Plain autoregressive decoding is the same loop with ``NoDrafter``. The services split this
-loop across processes; this module is the oracle they must match.
+Plain autoregressive decoding is the same loop with ``NoDrafter``. The loop itself is
+``StepLoop``: ``SpecEngine`` runs its model work in this process, ``remote_engine.RemoteEngine``
+over the drafter and verifier services (which must match this oracle).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from lyanna.stats import SpecStats
 from lyanna.target import TargetConfig, TargetRunner
 from lyanna.verify import sampling_rule
 
-__all__ = ["DEFAULT_METHOD", "DrafterError", "Emitted", "EngineConfig", "SpecEngine"]
+__all__ = ["DEFAULT_METHOD", "DrafterError", "Emitted", "EngineConfig", "SpecEngine", "StepLoop"]
 
 DEFAULT_METHOD = "default"  # the name of the drafter given to the constructor
 
@@ -58,7 +59,88 @@ class EngineConfig:
             sampling_rule(self.rule)  # refused here, before any model or drafter is built
 
 
-class SpecEngine:
+class StepLoop:
+    """The step loop every driver shares (nano-vllm's): ``step()`` = schedule (admit waiting
+    sequences: ``_prefill``) -> run (``_speculate`` the decode batch: draft, verify, the
+    scheduler's ``postprocess``) -> ``retire`` (``_free`` the finished). A subclass owns the
+    model work: ``SpecEngine`` in this process, ``remote_engine.RemoteEngine`` over the
+    drafter and verifier services. Both stream through the same gateway adapter."""
+
+    scheduler: Scheduler
+    default_method: str
+
+    # -- views ---------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> SpecStats:
+        return self.scheduler.stats
+
+    @property
+    def waiting(self):
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> dict[int, Sequence]:
+        return self.scheduler.running
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- driving -------------------------------------------------------------------------
+
+    def submit(self, sequence: Sequence) -> None:
+        sequence.method = sequence.method or self.default_method
+        if not self.serves(sequence.method):
+            raise ValueError(f"no drafter for method {sequence.method!r}")
+        self.scheduler.add(sequence)
+
+    def run(self) -> SpecStats:
+        """Step until every submitted sequence has finished."""
+        while self.has_work:
+            self.step()
+        return self.stats
+
+    def step(self) -> list[Emitted]:
+        emitted = self.admit() if self.waiting else []
+        batch = self.scheduler.decode_batch()
+        if batch:
+            emitted += self._speculate(batch)
+        self._free(self.scheduler.retire())
+        return emitted
+
+    def admit(self, limit: int | None = None) -> list[Emitted]:
+        """Prefill up to ``limit`` waiting sequences now (each emits its first token) without
+        a verification; a server streams those first tokens before the next ``step``."""
+        return self._prefill(self.scheduler.schedule_prefill(limit))
+
+    def abort(self, seq_id: int) -> bool:
+        """Drop a waiting or running sequence (its client went away): frees its KV slot and
+        drafter state. Returns whether the sequence was known."""
+        sequence = self.running.get(seq_id)
+        if sequence is not None:
+            self._free([sequence])
+        return self.scheduler.abort(seq_id)
+
+    # -- the model work, per driver --------------------------------------------------------
+
+    def serves(self, method: str) -> bool:
+        raise NotImplementedError
+
+    def _prefill(self, sequences: list[Sequence]) -> list[Emitted]:
+        """Prefill admitted sequences; each emits its first token (``postprocess_prefill``)."""
+        raise NotImplementedError
+
+    def _speculate(self, batch: list[Sequence]) -> list[Emitted]:
+        """One speculative step of the decode batch, committed by ``scheduler.postprocess``."""
+        raise NotImplementedError
+
+    def _free(self, sequences: list[Sequence]) -> None:
+        """Free the KV slots and drafter state of sequences that left."""
+        raise NotImplementedError
+
+
+class SpecEngine(StepLoop):
     def __init__(
         self,
         model: Transformer,
@@ -104,18 +186,6 @@ class SpecEngine:
         return self.drafters[self.default_method]
 
     @property
-    def stats(self) -> SpecStats:
-        return self.scheduler.stats
-
-    @property
-    def waiting(self):
-        return self.scheduler.waiting
-
-    @property
-    def running(self) -> dict[int, Sequence]:
-        return self.scheduler.running
-
-    @property
     def cache(self) -> KVCache:
         return self.target.cache
 
@@ -124,49 +194,15 @@ class SpecEngine:
         """Running sequence id -> its target KV slot."""
         return {seq_id: self.target.slot(seq_id) for seq_id in self.running}
 
-    @property
-    def has_work(self) -> bool:
-        return self.scheduler.has_work
-
-    # -- driving -------------------------------------------------------------------------
-
-    def submit(self, sequence: Sequence) -> None:
-        sequence.method = sequence.method or self.default_method
-        if sequence.method not in self.drafters:
-            raise ValueError(f"no drafter for method {sequence.method!r}")
-        self.scheduler.add(sequence)
-
-    def run(self) -> SpecStats:
-        """Step until every submitted sequence has finished."""
-        while self.has_work:
-            self.step()
-        return self.stats
-
-    def step(self) -> list[Emitted]:
-        emitted = self.admit()
-        batch = self.scheduler.decode_batch()
-        if batch:
-            emitted += self._speculate(batch)
-        for sequence in self.scheduler.retire():
-            self._release(sequence)
-        return emitted
-
-    def admit(self, limit: int | None = None) -> list[Emitted]:
-        """Prefill up to ``limit`` waiting sequences now (each emits its first token) without
-        a verification; a server streams those first tokens before the next ``step``."""
-        return [self._prefill(s) for s in self.scheduler.schedule_prefill(limit)]
-
-    def abort(self, seq_id: int) -> bool:
-        """Drop a waiting or running sequence (its client went away): frees its KV slot and
-        drafter state. Returns whether the sequence was known."""
-        sequence = self.running.get(seq_id)
-        if sequence is not None:
-            self._release(sequence)
-        return self.scheduler.abort(seq_id)
+    def serves(self, method: str) -> bool:
+        return method in self.drafters
 
     # -- model work ----------------------------------------------------------------------
 
-    def _prefill(self, seq: Sequence) -> Emitted:
+    def _prefill(self, sequences: list[Sequence]) -> list[Emitted]:
+        return [self._prefill_one(s) for s in sequences]
+
+    def _prefill_one(self, seq: Sequence) -> Emitted:
         stats = self.stats
         start = time.perf_counter()
         prefilled = self.target.prefill(seq.seq_id, seq.prompt_ids, seq.params, seq.generator)
@@ -228,8 +264,9 @@ class SpecEngine:
             stats.draft_seconds += seconds
             stats.verify_seconds += verify_seconds  # the shared forward, as its steps saw it
 
-    def _release(self, sequence: Sequence) -> None:
-        self.target.release(sequence.seq_id)
-        drafter = self.drafters.get(sequence.method)
-        if drafter is not None:
-            drafter.release(sequence.seq_id)
+    def _free(self, sequences: list[Sequence]) -> None:
+        for sequence in sequences:
+            self.target.release(sequence.seq_id)
+            drafter = self.drafters.get(sequence.method)
+            if drafter is not None:
+                drafter.release(sequence.seq_id)

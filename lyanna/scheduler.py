@@ -6,12 +6,12 @@ is ``schedule_prefill()`` (admitted sequences, prefilled by the driver), then
 ``decode_batch()`` (every running sequence not yet finished: one speculative step), then
 ``postprocess()`` (commit each verdict's tokens, count the step in the stats of the
 sequence's method, collect what finished), then ``retire()``. The driver owns the model
-and drafters: the in-process engine, the embedded gateway backend and the remote one drive
-this class, so admission, acceptance accounting and retirement are written once. The remote
-backend bounds admission further by the verifier's free KV slots and what one message holds
-(``schedule_prefill(limit, fits)``), commits the verifier service's results (a
-``Verification`` like a local ``Verdict``), and puts sequences the verifier lost back first
-in line (``requeue``).
+and drafters: the in-process engine and the remote one (``lyanna.engine.StepLoop``, the one
+step loop) drive this class, so admission, acceptance accounting and retirement are written
+once. The remote engine (``remote_engine``) bounds admission further by the verifier's free
+KV slots and what one message holds (``schedule_prefill(limit, fits)``), commits the
+verifier service's results (a ``Verification`` like a local ``Verdict``), and puts
+sequences the verifier lost back first in line (``requeue``).
 """
 
 from __future__ import annotations
@@ -74,6 +74,9 @@ class Emitted:
     num_resampled_accepted: int = 0  # accepted tokens only a re-sampled subtree held
     source: str = "method"  # what drafted the tree (lyanna.drafters.gate.DRAFT_SOURCES)
     logprobs: list | None = None  # one lyanna.sampling.TokenLogprob per token (when asked)
+    finish_reason: str | None = None  # the sequence's, once these tokens were committed
+    drafter_fallback: bool = False  # a remote drafter was down or late: a target-only step
+    error: Exception | None = None  # the request failed (the driver aborted it): no tokens
 
 
 class Scheduler:
@@ -127,7 +130,8 @@ class Scheduler:
         return [s for s in self.running.values() if not s.finished]
 
     def postprocess_prefill(self, sequence: Sequence, first_token: int) -> Emitted:
-        return Emitted(sequence, sequence.append([first_token]))
+        tokens = sequence.append([first_token])
+        return Emitted(sequence, tokens, finish_reason=sequence.finish_reason)
 
     def postprocess(self, batch: list[Sequence], verdicts: list[Verdict]) -> list[Emitted]:
         """Commit a step's verdicts to their sequences and count them, once, in the stats."""
@@ -138,7 +142,8 @@ class Scheduler:
         overall, once for the sequence's method)."""
         self.stats.record(verification)
         self.method_stats(sequence.method).record(verification)
-        return Emitted(sequence, sequence.append(verification.tokens), verification)
+        tokens = sequence.append(verification.tokens)
+        return Emitted(sequence, tokens, verification, finish_reason=sequence.finish_reason)
 
     def record_drafter_facts(self, emitted: list[Emitted], resampled: dict[int, int]) -> None:
         """What the drafters reported after learning the step (per sequence)."""

@@ -1,34 +1,50 @@
-"""Admission of the remote backend against a fake verifier stub (no services): a sequence the
+"""Admission of the remote engine against a fake verifier stub (no services): a sequence the
 verifier lost waits to be re-prefilled only until its deadline, even when no slot ever comes
 back, and its own old slot is released first (a verifier that merely timed out still holds
 it, and a full verifier would otherwise never have room)."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import grpc
 import pytest
 
-from gateway.backend import BackendUnavailable
-from gateway.remote import RemoteBackend, RemoteConfig
-from gateway.remote_seq import RemoteSeq
 from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence
+from remote_engine import RemoteConfig, RemoteEngine, Unavailable
+from remote_engine.seq import RemoteSeq
 from services.pb import common_pb2, verifier_pb2
 
 
-def queue(backend: RemoteBackend, seq: RemoteSeq) -> None:
-    """A request waiting in the backend's scheduler, as ``generate`` leaves it."""
-    backend.scheduler.add(seq.sequence)
-    backend._seqs[seq.seq_id] = seq
+def engine_with(verifier, **config) -> RemoteEngine:
+    """A remote engine whose calls go to ``verifier`` (its event loop running, no channel)."""
+    engine = RemoteEngine(RemoteConfig("unused:1", **config))
+    engine._io.start()
+    engine.verifier = verifier
+    return engine
 
 
-def running(backend: RemoteBackend, seq: RemoteSeq) -> None:
-    """A sequence the backend runs (admitted and prefilled)."""
-    queue(backend, seq)
-    assert backend.scheduler.schedule_prefill() == [seq.sequence]
+def queue(engine: RemoteEngine, seq: RemoteSeq) -> None:
+    """A request waiting in the engine's scheduler, as ``submit`` leaves it."""
+    engine.scheduler.add(seq.sequence)
+    engine._seqs[seq.seq_id] = seq
+
+
+def running(engine: RemoteEngine, seq: RemoteSeq) -> None:
+    """A sequence the engine runs (admitted and prefilled)."""
+    queue(engine, seq)
+    assert engine.scheduler.schedule_prefill() == [seq.sequence]
+
+
+def admit_until(engine: RemoteEngine, condition, timeout: float = 10.0) -> list:
+    """What ``engine.admit`` emitted, called as the gateway's worker does, until ``condition``."""
+    deadline, emitted = time.monotonic() + timeout, []
+    while not condition(emitted):
+        assert time.monotonic() < deadline
+        emitted += engine.admit()
+        time.sleep(0.02)
+    return emitted
 
 
 class FullVerifier:
@@ -49,29 +65,24 @@ class FullVerifier:
 
 
 def test_a_lost_sequence_stops_waiting_at_its_deadline_when_no_slot_comes_back() -> None:
-    async def run() -> tuple[object, float, list[int], int]:
-        backend = RemoteBackend(RemoteConfig("unused:1", queue_timeout=0.3), frozenset(), str)
-        verifier = FullVerifier()
-        backend._verifier = verifier
-        admit = asyncio.get_running_loop().create_task(backend._admit_loop())
-        sequence = Sequence(7, [1, 2, 3], SamplingParams(max_tokens=8))
-        seq = RemoteSeq(sequence, asyncio.Queue(), use_drafter=False)
+    verifier = FullVerifier()
+    engine = engine_with(verifier, queue_timeout=0.3)
+    try:
+        seq = RemoteSeq(Sequence(7, [1, 2, 3], SamplingParams(max_tokens=8)), use_drafter=False)
         seq.history, seq.next_token = [1, 2, 3], 4
-        running(backend, seq)
+        running(engine, seq)
         seq.resume_by = time.monotonic() + 0.3  # what a failed Verify sets
         start = time.monotonic()
-        backend._requeue([seq])
-        outcome = await asyncio.wait_for(seq.queue.get(), timeout=10)
+        engine._requeue([seq])
+        emitted = admit_until(engine, bool)
         waited = time.monotonic() - start
-        backend._closing = True
-        backend._admit.set()
-        await admit
-        return outcome, waited, verifier.released, len(backend._waiting)
-
-    outcome, waited, released, still_waiting = asyncio.run(run())
-    assert isinstance(outcome, BackendUnavailable) and "not resumed in 0.3 s" in str(outcome)
-    assert 0.25 < waited < 5.0 and still_waiting == 0
-    assert released[:1] == [7]  # its old slot was freed before free slots were counted
+    finally:
+        engine.close()
+    [outcome] = emitted
+    assert isinstance(outcome.error, Unavailable) and "not resumed in 0.3 s" in str(outcome.error)
+    assert outcome.sequence is seq.sequence and not outcome.tokens
+    assert 0.25 < waited < 5.0 and not engine.scheduler.has_work
+    assert verifier.released[:1] == [7]  # its old slot was freed before free slots were counted
 
 
 def test_seeds_outside_the_wires_uint64_are_refused() -> None:
@@ -96,24 +107,24 @@ def test_prefill_batches_keep_inline_prompt_hidden_states_within_one_message() -
     while theirs fit ``max_hidden_bytes`` together (the rest wait for the next Prefill), and
     one whose own rows exceed it is prefilled without them and decodes target-only, rather
     than failing the whole call at the message limit."""
-    backend = RemoteBackend(RemoteConfig("unused:1", max_hidden_mb=1.0), frozenset(), str)
-    backend.drafter = HiddenHungryDrafter()
-    budget = backend.config.max_hidden_bytes
-    backend.hidden_row_bytes = budget // 15  # 10 prompt rows: two thirds of one message
+    engine = RemoteEngine(RemoteConfig("unused:1", max_hidden_mb=1.0))
+    engine.drafter = HiddenHungryDrafter()
+    budget = engine.config.max_hidden_bytes
+    engine.hidden_row_bytes = budget // 15  # 10 prompt rows: two thirds of one message
 
     def waiting(seq_id: int, rows: int) -> RemoteSeq:
         sequence = Sequence(seq_id, [1] * rows, SamplingParams(max_tokens=4), method="lyanna")
-        return RemoteSeq(sequence, asyncio.Queue(), use_drafter=True)
+        return RemoteSeq(sequence, use_drafter=True)
 
     small, other, huge, last = waiting(1, 10), waiting(2, 10), waiting(3, 20), waiting(4, 1)
     for seq in (small, other, huge, last):
-        queue(backend, seq)
-    assert backend._take_batch(room=8) == [small]  # the second would overflow the message
-    assert backend._take_batch(room=8) == [other, huge, last]
+        queue(engine, seq)
+    assert engine._take_batch(room=8) == [small]  # the second would overflow the message
+    assert engine._take_batch(room=8) == [other, huge, last]
     assert not huge.use_drafter and small.use_drafter and other.use_drafter and last.use_drafter
-    queue(backend, waiting(5, 1))
-    queue(backend, waiting(6, 1))
-    assert len(backend._take_batch(room=1)) == 1 and len(backend._waiting) == 1
+    queue(engine, waiting(5, 1))
+    queue(engine, waiting(6, 1))
+    assert len(engine._take_batch(room=1)) == 1 and len(engine.scheduler.waiting) == 1
 
 
 class StalledVerifier(FullVerifier):
@@ -146,27 +157,15 @@ class StalledVerifier(FullVerifier):
 def test_a_lost_sequence_is_prefilled_again_only_after_its_old_copy_is_released() -> None:
     """While the verifier cannot confirm the release (it stalled past the deadlines), the
     sequence is not prefilled again: a copy the verifier still holds would refuse it."""
-
-    async def run() -> list[str]:
-        backend = RemoteBackend(RemoteConfig("unused:1", queue_timeout=5), frozenset(), str)
-        verifier = StalledVerifier()
-        backend._verifier = verifier
-        admit = asyncio.get_running_loop().create_task(backend._admit_loop())
-        seq = RemoteSeq(Sequence(9, [1, 2], SamplingParams()), asyncio.Queue(), False)
+    verifier = StalledVerifier()
+    engine = engine_with(verifier, queue_timeout=5)
+    try:
+        seq = RemoteSeq(Sequence(9, [1, 2], SamplingParams()), use_drafter=False)
         seq.history, seq.next_token, seq.resume_by = [1, 2], 3, time.monotonic() + 5
-        running(backend, seq)
-        backend._requeue([seq])
-        await asyncio.wait_for(poll_async(lambda: "prefill" in verifier.calls), timeout=10)
-        backend._closing = True
-        backend._admit.set()
-        seq.resume_by = time.monotonic()  # let the rest of the test go
-        await admit
-        return verifier.calls
-
-    calls = asyncio.run(run())
-    assert calls[:2] == ["release", "prefill"]
-
-
-async def poll_async(condition) -> None:
-    while not condition():
-        await asyncio.sleep(0.05)
+        running(engine, seq)
+        engine._requeue([seq])
+        admit_until(engine, lambda _: "prefill" in verifier.calls)
+    finally:
+        engine.close()
+    assert verifier.calls[:2] == ["release", "prefill"]
+    assert list(engine.scheduler.waiting) == [seq.sequence]  # still first in line (UNAVAILABLE)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.remote_config import RemoteConfig
+from remote_engine.config import RemoteConfig
 from services import codec
 from services.pb import common_pb2
 

@@ -14,12 +14,12 @@ import pytest
 import torch
 from grpc.aio import AioRpcError, Metadata
 
-from gateway import remote_drafter
-from gateway.remote_config import RemoteConfig
-from gateway.remote_drafter import DrafterLink
-from gateway.remote_seq import RemoteSeq
 from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence
+from remote_engine import drafter as remote_drafter
+from remote_engine.config import RemoteConfig
+from remote_engine.drafter import DrafterLink
+from remote_engine.seq import RemoteSeq
 from services.pb import common_pb2, drafter_pb2, verifier_pb2
 
 
@@ -100,7 +100,7 @@ class ScriptedCall:
 
 def make_seq(seq_id: int = 1, method: str = "lyanna") -> RemoteSeq:
     sequence = Sequence(seq_id, [1, 2], SamplingParams(), method=method)
-    seq = RemoteSeq(sequence, asyncio.Queue(), method != "ar")
+    seq = RemoteSeq(sequence, method != "ar")
     seq.history, seq.next_token, seq.keep_hidden = [1, 2], 7, method != "ar"
     seq.hidden_history = [torch.zeros(2, 4)]
     return seq

@@ -191,20 +191,28 @@ def test_a_request_that_finds_no_slot_in_time_is_busy(ngram_services) -> None:
     async def run():
         backend = RemoteBackend(config_for(ngram_services, queue_timeout=0.2), frozenset(), str)
         await backend.start()
-        verifier = backend._verifier
-        free = (await verifier.Capacity(verifier_pb2.CapacityRequest())).free_slots
+
+        def verifier(call, request):  # where the backend's channels live
+            return backend.on_services(lambda engine: getattr(engine.verifier, call)(request))
+
+        free = (await verifier("Capacity", verifier_pb2.CapacityRequest())).free_slots
         held = [10**12 + i for i in range(free)]
         items = [verifier_pb2.PrefillItem(seq_id=i, prompt_ids=[1, 2]) for i in held]
         for item in items:
             item.params.max_tokens = 1
-        await verifier.Prefill(verifier_pb2.PrefillRequest(items=items))
+        await verifier("Prefill", verifier_pb2.PrefillRequest(items=items))
         try:
             request = GenerationRequest("b", PROMPTS[1], SamplingParams(max_tokens=4))
             start = time.monotonic()
             with pytest.raises(BackendBusy, match="within 0.2 s"):
                 await anext(backend.generate(request))
-            waited, still_waiting = time.monotonic() - start, len(backend._waiting)
-            await verifier.Release(common_pb2.ReleaseRequest(seq_ids=held))
+            waited = time.monotonic() - start
+            for _ in range(40):  # the engine's worker applies the abort between steps
+                if not backend.scheduler.waiting:
+                    break
+                await asyncio.sleep(0.05)
+            still_waiting = len(backend.scheduler.waiting)
+            await verifier("Release", common_pb2.ReleaseRequest(seq_ids=held))
             tokens = [t async for d in backend.generate(request) for t in d.token_ids]
             return waited, still_waiting, tokens
         finally:

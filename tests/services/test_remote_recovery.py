@@ -43,9 +43,11 @@ def test_lost_drafter_state_is_rebuilt_from_the_history(lyanna_services, tiny_lo
             outcome.tokens += delta.token_ids
             outcome.steps += [delta.step] if delta.step else []
             if len(outcome.steps) == 5:
-                seq_id = next(s.seq_id for lane in backend._lanes for s in lane.seqs)
+                seq_id = next(iter(backend.scheduler.running))
                 request = common_pb2.ReleaseRequest(seq_ids=[seq_id])
-                await backend.drafter.stub.Release(request, timeout=5)
+                await backend.on_services(
+                    lambda e, request=request: e.drafter.stub.Release(request, timeout=5)
+                )
         await backend.stop()
         return outcome, backend.drafter.num_starts
 
@@ -121,15 +123,17 @@ def test_cancel_releases_both_services(ngram_services) -> None:
         stream = backend.generate(request)
         await stream.__anext__()
         await stream.__anext__()
-        seq_id = next(s.seq_id for lane in backend._lanes for s in lane.seqs)
+        seq_id = next(iter(backend.scheduler.running))
         await stream.aclose()
         for _ in range(100):
             if not backend.scheduler.running:
                 break
             await asyncio.sleep(0.05)
-        capacity = await backend._verifier.Capacity(verifier_pb2.CapacityRequest(), timeout=5)
-        released = await backend.drafter.stub.Release(
-            common_pb2.ReleaseRequest(seq_ids=[seq_id]), timeout=5
+        capacity = await backend.on_services(
+            lambda e: e.verifier.Capacity(verifier_pb2.CapacityRequest(), timeout=5)
+        )
+        released = await backend.on_services(
+            lambda e: e.drafter.stub.Release(common_pb2.ReleaseRequest(seq_ids=[seq_id]), timeout=5)
         )
         await backend.stop()
         return len(backend.scheduler.running), capacity, released.num_released
@@ -167,8 +171,8 @@ def test_a_prefill_past_its_deadline_keeps_no_verifier_slot(ngram_services) -> N
             await asyncio.sleep(1.0)  # let the verifier finish whatever it started
             seen = []
             for _ in range(3):
-                capacity = await backend._verifier.Capacity(
-                    verifier_pb2.CapacityRequest(), timeout=5
+                capacity = await backend.on_services(
+                    lambda e: e.verifier.Capacity(verifier_pb2.CapacityRequest(), timeout=5)
                 )
                 seen.append((capacity.free_slots, capacity.total_slots))
                 await asyncio.sleep(0.1)
@@ -197,7 +201,11 @@ def test_killed_drafter_falls_back_then_recovers(tiny_model_dir, tiny_loaded) ->
         )
         await asyncio.to_thread(deployment.restart, "drafter")
         # the channel reconnects with a backoff of at most 2 s; wait until it has
-        await backend.drafter.stub.Info(drafter_pb2.InfoRequest(), wait_for_ready=True, timeout=10)
+        await backend.on_services(
+            lambda e: e.drafter.stub.Info(
+                drafter_pb2.InfoRequest(), wait_for_ready=True, timeout=10
+            )
+        )
         await asyncio.sleep(0.3)  # past the retry interval of the last failure
         after = await collect(backend, PROMPTS[0], SamplingParams(max_tokens=24))
         await backend.stop()

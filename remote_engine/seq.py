@@ -1,8 +1,8 @@
-"""Per-request state of the remote backend and the message builders it needs.
+"""Per-request state of the remote engine and the message builders it needs.
 
 A ``RemoteSeq`` mirrors what each service holds for one request: the committed tokens (the
 gateway's history is the source of truth), the next token, whether the drafter's state is in
-step (``drafter_synced``), the quiet steps the gateway verified without the drafter and has yet
+step (``drafter_synced``), the quiet steps the engine verified without the drafter and has yet
 to hand it and, when the drafter reads hidden states, every committed token's target hidden
 state so a drafter that lost the sequence (restart, failed step, deadline) can be started
 again from the full history.
@@ -10,12 +10,10 @@ again from the full history.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from gateway.backend import TokenDelta
 from lyanna.sequence import Sequence
 from services import codec
 from services.pb import common_pb2, drafter_pb2, verifier_pb2
@@ -24,7 +22,6 @@ from services.pb import common_pb2, drafter_pb2, verifier_pb2
 @dataclass(slots=True, eq=False)
 class RemoteSeq:
     sequence: Sequence  # output tokens, stop conditions and method
-    queue: asyncio.Queue  # TokenDelta | Exception for the request's iterator
     use_drafter: bool  # False: target-only steps ("ar", or the drafter cannot hold it)
     # the verifier drafts every step itself (free drafts: n-gram needs no model), no drafter
     verifier_drafts: bool = False
@@ -39,8 +36,6 @@ class RemoteSeq:
     quiet_left: int = 0
     quiet_step: bool = False  # the step in flight is a quiet one
     unseen_steps: list[drafter_pb2.VerifiedStep] = field(default_factory=list)
-    cancelled: bool = False
-    done: bool = False
     resume_by: float | None = None  # set while waiting to be re-prefilled (monotonic deadline)
     may_hold_slot: bool = False  # waiting, yet the verifier may still hold its KV slot
     hidden_bytes: int = 0  # size of hidden_history (kept, not summed on every step)
@@ -56,11 +51,6 @@ class RemoteSeq:
     def ref(self, num_committed: int | None = None) -> common_pb2.SeqRef:
         n = self.num_committed if num_committed is None else num_committed
         return common_pb2.SeqRef(seq_id=self.seq_id, num_committed=n)
-
-    def deliver(self, item: TokenDelta | Exception) -> None:
-        if not self.done:
-            self.queue.put_nowait(item)
-            self.done = isinstance(item, Exception) or item.finish_reason is not None
 
     def desync(self) -> None:
         """The drafter's state for this sequence is unknown: start it again before drafting."""

@@ -1,4 +1,4 @@
-"""Configuration of the remote backend (``gateway.remote``): service addresses, the pipeline
+"""Configuration of the remote engine (``remote_engine``): service addresses, the pipeline
 switch, admission bounds, a deadline for every kind of call, the drafter retry interval, the
 data-plane switch and the gRPC channel options (explicit message sizes, short reconnect
 backoff so a returning drafter is found quickly)."""

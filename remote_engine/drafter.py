@@ -1,4 +1,4 @@
-"""The remote backend's link to the drafter service: one ``Step`` per speculative step of a
+"""The remote engine's link to the drafter service: one ``Step`` per speculative step of a
 micro-batch (the drafter drafts, verifies through the verifier itself and returns the
 verifier's results), (re)starting sequences from their committed history, the circuit breaker
 behind the target-only fallback, and the quiet steps the drafter has yet to see.
@@ -26,8 +26,8 @@ import time
 
 import grpc
 
-from gateway.remote_config import RemoteConfig
-from gateway.remote_seq import RemoteSeq
+from remote_engine.config import RemoteConfig
+from remote_engine.seq import RemoteSeq
 from services.codec import MAX_HOP_SECONDS, MAX_QUIET_STEPS
 from services.pb import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2
 
