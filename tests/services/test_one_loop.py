@@ -86,6 +86,8 @@ def test_embedded_and_services_make_the_same_scheduler_calls(ngram_services, tin
     remote_out, remote_calls, remote_engine = asyncio.run(serve(remote))
 
     assert isinstance(local_engine, SpecEngine) and isinstance(remote_engine, RemoteEngine)
+    for backend in (embedded, remote):  # one adapter: the backends add no step of their own
+        assert isinstance(backend, EngineBackend) and type(backend)._work is EngineBackend._work
     for engine in (local_engine, remote_engine):  # one step loop, written once
         assert type(engine).step is StepLoop.step
     assert local_out == remote_out == plain_greedy(tiny_loaded, PROMPTS, MAX_TOKENS)
