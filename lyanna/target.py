@@ -156,12 +156,10 @@ class TargetRunner:
         decoded and are re-run as decoding ran them, so the KV is what it was."""
         if seq_id in self._seqs:
             raise OutOfStepError(f"sequence {seq_id} is already prefilled")
-        if not prompt_ids:
-            raise ValueError("the prompt must hold at least one token")
+        # (requests are checked at the edges: the HTTP intake, the gRPC codec)
+        assert prompt_ids and 0 <= prompt_len <= len(prompt_ids), "an empty prompt"
         if generator is None and not params.greedy:
             generator = params.make_generator()
-        if not 0 <= prompt_len <= len(prompt_ids):
-            raise ValueError(f"prompt_len {prompt_len} is outside the {len(prompt_ids)} tokens")
         split = prompt_len or len(prompt_ids)
         vocab = self.model.config.vocab_size
         try:

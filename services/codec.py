@@ -15,9 +15,10 @@ from dataclasses import dataclass
 import torch
 
 import lyanna.drafters
+from lyanna.drafters.base import VerifiedStep
 from lyanna.sampling import SamplingParams, TokenLogprob
 from lyanna.tree import DraftScheme, TokenTree
-from services.pb import common_pb2
+from services.pb import common_pb2, verifier_pb2
 
 if sys.byteorder != "little":
     raise ImportError("the tensor wire format is little-endian; big-endian hosts need a byteswap")
@@ -210,3 +211,196 @@ def decode_params(message: common_pb2.SamplingParams) -> SamplingParams:
         )
     except ValueError as error:
         raise WireError(f"invalid sampling parameters: {error}") from None
+
+
+# -- the gRPC edge: every request decoded and checked before any servicer work --------------
+# Past these functions the servicers and the core only assert invariants; state the message
+# alone cannot tell (an unknown sequence, a committed length that disagrees) is theirs.
+
+
+def check_tokens(tokens, vocab_size: int, what: str = "token ids") -> list[int]:
+    """``tokens`` as a list, each in [0, vocab_size)."""
+    tokens = list(tokens)
+    if any(not 0 <= t < vocab_size for t in tokens):
+        raise WireError(f"{what} must be in [0, {vocab_size})")
+    return tokens
+
+
+def unique_ids(seq_ids: list[int], call: str) -> list[int]:
+    if len(set(seq_ids)) != len(seq_ids):
+        raise WireError(f"a sequence may appear once per {call} call")
+    return seq_ids
+
+
+def checked_params(message: common_pb2.SamplingParams, vocab_size: int) -> SamplingParams:
+    params = decode_params(message)
+    if any(not 0 <= token < vocab_size for token, _ in params.logit_bias):
+        raise WireError(f"logit_bias token ids must be in [0, {vocab_size})")
+    return params
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PrefillJob:
+    seq_id: int
+    prompt: list[int]
+    params: SamplingParams
+    next_token: int | None  # resuming: the decided next token
+    prompt_len: int
+    return_hidden: bool
+
+
+def decode_prefill(request, vocab_size: int, max_rows: int) -> list[PrefillJob]:
+    """Non-empty prompts of known token ids whose prompt + max_tokens fit ``max_rows`` (the
+    KV rows left beside one tree)."""
+    jobs = []
+    unique_ids([item.seq_id for item in request.items], "Prefill")
+    for item in request.items:
+        prompt = check_tokens(item.prompt_ids, vocab_size, f"sequence {item.seq_id}: prompt ids")
+        resume = item.next_token if item.HasField("next_token") else None
+        if not prompt:
+            raise WireError(f"sequence {item.seq_id}: the prompt must hold at least one token")
+        check_tokens([] if resume is None else [resume], vocab_size, "next_token")
+        if item.prompt_len > len(prompt):
+            raise WireError(f"sequence {item.seq_id}: prompt_len is past the prompt")
+        params = checked_params(item.params, vocab_size)
+        if len(prompt) + params.max_tokens > max_rows:
+            raise WireError(
+                f"sequence {item.seq_id}: prompt + max_tokens + tree needs more KV rows than "
+                f"the verifier holds ({max_rows} beside one tree)"
+            )
+        jobs.append(
+            PrefillJob(item.seq_id, prompt, params, resume, item.prompt_len, item.return_hidden)
+        )
+    return jobs
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class VerifyJob:
+    seq_id: int
+    num_committed: int
+    tree: TokenTree
+    steps: int  # >= 1
+    free_drafts: bool
+    return_hidden: bool
+
+
+def decode_verify(request, vocab_size: int, max_nodes: int) -> list[VerifyJob]:
+    """One job per item: distinct sequences, valid trees, 1..MAX_VERIFY_STEPS steps (several
+    only for a root-only tree)."""
+    unique_ids([item.ref.seq_id for item in request.items], "Verify")
+    jobs = []
+    for item in request.items:
+        seq_id = item.ref.seq_id
+        tree = decode_tree(item.tree, vocab_size, max_nodes)
+        if item.steps > MAX_VERIFY_STEPS:
+            raise WireError(f"sequence {seq_id}: more than {MAX_VERIFY_STEPS} steps")
+        if item.steps > 1 and tree.num_nodes != 1:
+            raise WireError(f"sequence {seq_id}: several steps need a root-only tree")
+        steps = max(item.steps, 1)
+        jobs.append(
+            VerifyJob(
+                seq_id, item.ref.num_committed, tree, steps, item.free_drafts, item.return_hidden
+            )
+        )
+    return jobs
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class StartJob:
+    seq_id: int
+    prompt: list[int]
+    first_token: int
+    params: SamplingParams | None
+    resync: bool
+    message: object  # the StartItem (its hidden rows: the drafter's receiver decodes them)
+
+
+def decode_start(request, vocab_size: int) -> list[StartJob]:
+    unique_ids([item.ref.seq_id for item in request.items], "Start")
+    jobs = []
+    for item in request.items:
+        seq_id = item.ref.seq_id
+        prompt = check_tokens(item.prompt_ids, vocab_size, f"sequence {seq_id}: prompt ids")
+        if not prompt or item.ref.num_committed != len(prompt):
+            raise WireError(f"sequence {seq_id}: num_committed must equal the prompt length")
+        first = check_tokens([item.first_token], vocab_size, "first_token")[0]
+        params = checked_params(item.params, vocab_size) if item.HasField("params") else None
+        jobs.append(StartJob(seq_id, prompt, first, params, item.resync, item))
+    return jobs
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class StepJob:
+    seq_id: int
+    num_committed: int
+    next_token: int
+    draft: bool
+    unseen: list  # the item's VerifiedStep messages, checked (their hidden rows undecoded)
+    message: object  # the StepItem
+
+
+def decode_step(request, vocab_size: int) -> list[StepJob]:
+    """Distinct sequences, known tokens, at most MAX_QUIET_STEPS unseen steps each holding the
+    root and its accepted tokens, and a caller hop in [0, MAX_HOP_SECONDS]."""
+    if not 0 <= request.caller_hop_seconds <= MAX_HOP_SECONDS:  # (NaN fails too)
+        raise WireError(f"caller_hop_seconds must be in [0, {MAX_HOP_SECONDS}]")
+    unique_ids([item.ref.seq_id for item in request.items], "Step")
+    jobs = []
+    for item in request.items:
+        seq_id = item.ref.seq_id
+        root = check_tokens([item.next_token], vocab_size, f"sequence {seq_id}: next_token")[0]
+        if len(item.unseen) > MAX_QUIET_STEPS:
+            raise WireError(f"sequence {seq_id}: more than {MAX_QUIET_STEPS} unseen steps")
+        for step in item.unseen:
+            if not step.committed or step.num_accepted != len(step.committed) - 1:
+                raise WireError(
+                    f"sequence {seq_id}: committed must hold the root + accepted tokens"
+                )
+            check_tokens([*step.committed, step.next_token], vocab_size, "unseen token ids")
+        jobs.append(
+            StepJob(seq_id, item.ref.num_committed, root, item.draft, list(item.unseen), item)
+        )
+    return jobs
+
+
+def verified_step(seq_id: int, result: verifier_pb2.VerifyResult, hidden) -> VerifiedStep:
+    """What a verifier's result taught about one sequence, with its hidden rows if any."""
+    return VerifiedStep(
+        seq_id=seq_id,
+        committed=list(result.committed),
+        hidden=hidden,
+        next_token=result.tokens[-1],
+        num_accepted=result.num_accepted,
+        num_committed=result.ref.num_committed,
+    )
+
+
+def encode_prefilled(seq_id: int, prefilled) -> verifier_pb2.PrefillResult:
+    """A prefill's result (``lyanna.target.Prefilled``), without its hidden rows."""
+    first = prefilled.logprobs
+    return verifier_pb2.PrefillResult(
+        ref=common_pb2.SeqRef(seq_id=seq_id, num_committed=prefilled.num_committed),
+        first_token=prefilled.first_token,
+        first_logprob=encode_logprob(first[0]) if first else None,
+    )
+
+
+def encode_verify_result(seq_id: int, runs) -> verifier_pb2.VerifyResult:
+    """One item's result from its verifications ``runs`` (``(tree, lyanna.target.Verified)``
+    pairs, in order: one, or several decode steps), without hidden rows."""
+    (first_tree, first), (_, last) = runs[0], runs[-1]
+    result = verifier_pb2.VerifyResult(
+        ref=common_pb2.SeqRef(seq_id=seq_id, num_committed=last.num_committed),
+        committed=[token for _, v in runs for token in v.committed],
+        tokens=[token for _, v in runs for token in v.verdict.tokens],
+        num_accepted=first.verdict.num_accepted,
+        num_drafted_per_depth=first.verdict.num_drafted_per_depth,
+        num_drafted=first_tree.num_drafted,
+        num_steps=len(runs),
+    )
+    if all(v.logprobs is not None for _, v in runs):  # one per token, when asked
+        result.logprobs.extend(encode_logprob(e) for _, v in runs for e in v.logprobs)
+    if len(runs) > 1 and any(tree.num_drafted for tree, _ in runs):  # free drafts
+        result.step_accepted.extend(v.verdict.num_accepted for _, v in runs)
+        result.step_drafted.extend(tree.num_drafted for tree, _ in runs)
+    return result

@@ -312,3 +312,16 @@ class DataPlane:
         if self.ready:
             self._ready.clear()
             dist.destroy_process_group()
+
+
+def start_plane(server_config, rank: int) -> DataPlane | None:
+    """The data plane a service's settings ask for (``ServerConfig.plane``; rank 0: the
+    verifier, 1: the drafter), connecting in the background; None when hidden rows travel
+    in the gRPC messages."""
+    if server_config.plane == "grpc":
+        return None
+    plane = DataPlane(
+        server_config.plane, server_config.plane_addr, rank, server_config.plane_timeout
+    )
+    plane.connect_in_background()
+    return plane

@@ -104,6 +104,19 @@ class HiddenReceiver:
             )
         return rows.to(self.device)  # a no-op on the CPU
 
+    def take(self, result, num_rows: int, needed: bool, keep: bool) -> torch.Tensor | None:
+        """The rows of a verifier's ``result`` (``result.hidden``) when ``needed``, None
+        otherwise; data-plane rows are received always (every transfer must be). The result
+        keeps them for its caller, inline, only when ``keep``."""
+        rows, kind = None, result.hidden.WhichOneof("payload")
+        if kind == "plane" or (kind and needed):
+            rows = self.decode(result.hidden, num_rows)
+        if not keep or kind is None:
+            result.ClearField("hidden")
+        elif kind == "plane":
+            result.hidden.tensor.CopyFrom(codec.encode_tensor(rows))
+        return rows if needed else None
+
     def end_batch(self) -> None:
         """Forget the transfers of the finished call (each is used by one micro-batch)."""
         self._received.clear()

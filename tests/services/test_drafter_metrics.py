@@ -47,7 +47,7 @@ def test_a_sequence_started_again_counts_as_a_resync_not_a_start() -> None:
     link.fail_after = True
     with pytest.raises(Aborted):
         run_step(servicer, step_item(1, 5, root))
-    assert 1 not in servicer._committed
+    assert 1 not in servicer.session
     retry = verifier_pb2.VerifyRequest(items=[verify_item(1, 5, root)])
     (result,) = target.Verify(retry, FakeContext()).results
     again = drafter_pb2.StartItem(

@@ -11,13 +11,13 @@ import torch
 from gateway.remote import RemoteConfig
 from gateway.remote_seq import split_steps
 from lyanna.drafters.base import DraftBudget
+from lyanna.multi_step import FreeDrafts
 from lyanna.sampling import SamplingParams
 from lyanna.tree import DraftScheme, TokenTree
 from lyanna.tree_cost import VerifyCost
 from services import codec
 from services.launch import launch
 from services.pb import common_pb2, verifier_pb2
-from services.verifier.free_drafts import FreeDrafts
 from tests.services.remote_client import MAX_TOKENS, PROMPTS, plain_greedy, run_remote
 
 # a one-row forward 10 ms, +1 ms for a second row, then 5 ms per row: compute bound

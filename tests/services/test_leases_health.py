@@ -73,7 +73,7 @@ def test_an_unrenewed_slot_is_reclaimed_and_a_stepped_one_is_kept() -> None:
         committed, root = result.ref.num_committed, result.tokens[-1]
         assert servicer.reclaim_expired() == reclaimed
     assert 1 not in servicer.runner and 2 in servicer.runner
-    assert servicer.runner.num_free_slots == 1 and servicer.num_reclaimed == 1
+    assert servicer.runner.num_free_slots == 1 and servicer.leases.num_reclaimed == 1
     assert servicer.metrics.kv_slots.labels("free")._value.get() == 1  # the gauge knows
     # the late call of the dead gateway's sequence: a clear NOT_FOUND, not a crash
     late = verifier_pb2.VerifyRequest(items=[verify_item(1, 3, idle_root)])
@@ -98,10 +98,10 @@ def test_a_dead_gateway_s_draft_state_is_dropped_after_its_lease() -> None:
         )
         servicer.Start(drafter_pb2.StartRequest(items=[start]), FakeContext())
     clock.now += 6
-    servicer._lease(2)  # what a Step naming sequence 2 does
+    servicer.leases.hold(2)  # what a Step naming sequence 2 does
     assert servicer.reclaim_expired() == []
     clock.now += 5
-    assert servicer.reclaim_expired() == [1] and servicer.num_reclaimed == 1
+    assert servicer.reclaim_expired() == [1] and servicer.leases.num_reclaimed == 1
     release = common_pb2.ReleaseRequest(seq_ids=[1, 2])
     assert servicer.Release(release, FakeContext()).num_released == 1  # 2 was still held
     with pytest.raises(ValueError):
@@ -174,7 +174,7 @@ def wait_for_status(channel: grpc.Channel, name: str, status: int, within: float
 
 def test_liveness_turns_false_when_the_compute_thread_hangs() -> None:
     servicer = leased_verifier(Clock())
-    servicer.watch = ComputeWatch()  # the real clock for the watchdog
+    servicer.compute.watch = servicer.watch = ComputeWatch()  # the real clock for the watchdog
     config = ServerConfig(hang_seconds=1.0)
 
     def add(server: grpc.Server) -> None:
@@ -188,7 +188,7 @@ def test_liveness_turns_false_when_the_compute_thread_hangs() -> None:
             assert health_status(channel, LIVENESS) == SERVING
             assert health_status(channel, READINESS) == SERVING
             # a hung forward: the compute thread blocks inside a job, and a call queues behind
-            hung = threading.Thread(target=servicer._compute, args=(lambda: gate.wait(60),))
+            hung = threading.Thread(target=servicer.compute.run, args=(lambda: gate.wait(60),))
             hung.start()
             # within hang_seconds plus the watchdog's period (generous on a loaded machine)
             wait_for_status(channel, LIVENESS, NOT_SERVING, within=30)

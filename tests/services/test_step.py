@@ -100,7 +100,7 @@ def test_one_step_call_drafts_verifies_and_learns(tiny_loaded) -> None:
         committed, root = result.verified.ref.num_committed, result.verified.tokens[-1]
         tokens += list(result.verified.tokens)
         drafted += result.verified.num_drafted
-        assert servicer._committed[1] == committed == target.runner.num_committed(1)
+        assert servicer.session.seqs[1].committed == committed == target.runner.num_committed(1)
     assert link.calls < max_tokens and drafted > 0
     assert tokens[:max_tokens] == plain_greedy(model, [prompt], max_tokens)[0]
 
@@ -138,7 +138,7 @@ def test_a_relay_that_dies_after_verify_loses_no_token() -> None:
         run_step(servicer, step_item(1, 5, root))
     assert aborted.value.args[0] == grpc.StatusCode.ABORTED
     committed = target.runner.num_committed(1)
-    assert committed > 5 and 1 not in servicer._committed
+    assert committed > 5 and 1 not in servicer.session
     retry = verifier_pb2.VerifyRequest(items=[verify_item(1, 5, root)])
     (result,) = target.Verify(retry, FakeContext()).results
     assert result.ref.num_committed == committed == 5 + len(result.committed)
@@ -166,7 +166,7 @@ def test_step_checks_refs_roots_and_hidden_shapes() -> None:
     with pytest.raises(Aborted) as error:  # a root that is not the caller's next token
         run_step(servicer, step_item(5, 3, (root + 1) % 16))
     assert error.value.args[0] == grpc.StatusCode.FAILED_PRECONDITION
-    assert 5 not in servicer._committed and link.calls == 0  # dropped, nothing verified
+    assert 5 not in servicer.session and link.calls == 0  # dropped, nothing verified
     servicer, _, _, root = setup(tiny_lyanna(model, DraftBudget(4, 2, 6)), 5, [1, 2, 3], True)
     bad = step_item(5, 4, 7)
     bad.unseen.append(drafter_pb2.VerifiedStep(committed=[root], next_token=7))
@@ -200,7 +200,7 @@ def test_undrafted_items_ride_along_root_only() -> None:
     response = run_step(servicer, step_item(1, 4, root), plain)
     assert link.calls == 1 and [r.verified.ref.seq_id for r in response.results] == [1, 2]
     assert response.results[1].verified.num_drafted == 0
-    assert target.runner.num_committed(2) == 4 and 2 not in servicer._committed
+    assert target.runner.num_committed(2) == 4 and 2 not in servicer.session
 
 
 def gated_with_quiet_steps():
