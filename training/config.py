@@ -39,6 +39,13 @@ class TrainConfig:
     # Lyanna: the parent token whose info biases step k >= 2: "teacher" (the true token) or
     # "drafted" (the drafter's own first choice at step k - 1, what a chain drafts from)
     info_parents: str = "teacher"
+    # Lyanna ablations (issue 41): start the draft layer from the target's last decoder layer
+    # (the recipe) or from a random init; the regression loss ("" = the drafter's own: MSE for
+    # Lyanna, smooth-L1 for EAGLE); Gaussian noise of this std added to the target states the
+    # drafter reads (EAGLE's feature noise; 0 = none)
+    init_from_target: bool = True
+    regression_loss: str = ""
+    feature_noise: float = 0.0
     # bookkeeping
     val_sequences: int = 64  # held-out sequences (the last ones of the data) without val_data
     val_data: str = ""  # comma-separated held-out runs (e.g. training.distill --split heldout)
@@ -67,6 +74,10 @@ class TrainConfig:
             raise ValueError("amp must be none or bf16")
         if self.info_parents not in ("teacher", "drafted"):
             raise ValueError("info_parents must be teacher or drafted")
+        if self.regression_loss not in ("", "mse", "smooth_l1"):
+            raise ValueError("regression_loss must be '', mse or smooth_l1")
+        if self.feature_noise < 0:
+            raise ValueError("feature_noise must be >= 0")
         if self.hot_vocab_tokens not in ("answers", "all"):
             raise ValueError("hot_vocab_tokens must be answers or all")
 

@@ -15,6 +15,16 @@ factor ``w2`` ``[rank, num_hot]``, the norm's weight ``g`` ``[num_hot]`` and ``k
 whose parent has token info), ``bias = keep * g * u / sqrt(mean(u^2) + eps)`` with
 ``u = a @ w2``. Products run in ``matmul_dtype`` (bf16 under autocast), softmaxes in float32.
 ``tests/unit/test_hot_ce.py`` checks loss and gradients against a plain full cross-entropy.
+
+CPU cost (issue 41, 2026-11-27): the products are the floor, so every ``[chunk, num_hot]``
+pass that is not one costs. The bias is folded into the logit product: ``mean(u^2)`` is
+``a G a^T`` with the ``[rank, rank]`` Gram matrix ``G = w2 w2^T / num_hot``, so with
+``s = keep / sqrt(a G a^T + eps)`` per row, ``bias = (a * s) @ (w2 * g)`` and one product
+``[r | a * s] @ [head | (w2 * g)^T]^T`` gives logits plus bias; its backward is closed form
+in row-sized and ``[rank, *]`` terms (see ``forward``), the only ``[chunk, num_hot]`` work being
+``dz`` and the products. The cross-entropy is ``-p . log_softmax(z)`` as a batched matmul,
+``dz`` is made in place, and chunks are 256 rows: 1,024-row chunks are 32 MB tensors that
+glibc serves with fresh ``mmap``s, page-faulted on every use.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_CHUNK = 1024  # rows per chunk: 1024 x 8192 float32 = 32 MB of transient logits
+DEFAULT_CHUNK = 256  # rows per chunk: 256 x 8192 float32 = 8 MB of transient logits (see below)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -54,47 +64,71 @@ class _FusedHotCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, a, w2, norm_weight, head, target_hidden, weight, keep, eps, chunk,
                 matmul_dtype, want_grad):  # fmt: skip
-        R = rows.shape[0]
+        R, d = rows.shape
         device = rows.device
-        head_mm = head.to(matmul_dtype)
         has_info = a is not None
-        w2_mm = w2.to(matmul_dtype) if has_info else None
-        g = norm_weight.float() if has_info else None
-        total = torch.zeros((), device=device, dtype=torch.float32)
-        ce_all = torch.empty(R, device=device, dtype=torch.float32)
+        f32 = torch.float32
+        if has_info:
+            # The token-info bias folded into the logit product (no [R, num_hot] pass of its
+            # own): bias = keep * g * u * inv with u = a @ w2, inv = rsqrt(mean(u^2) + eps)
+            # and mean(u^2) = a G a^T, G = w2 w2^T / num_hot; so bias = (a * s) @ (w2 * g)
+            # with s = keep * inv per row, and [rows | a * s] @ [head | (w2 * g)^T]^T gives
+            # logits and bias in one product.
+            num_hot = w2.shape[1]
+            w2f, g = w2.float(), norm_weight.float()
+            gram = (w2f @ w2f.T) / num_hot  # [rank, rank]
+            af = a.float()
+            inv = torch.rsqrt(((af @ gram) * af).sum(-1) + eps)  # [R]
+            s = inv * keep.to(f32)
+            a_scaled = af * s[:, None]  # [R, rank]
+            w2g = w2f * g  # [rank, num_hot]
+            weights_mm = torch.cat([head.float(), w2g.T], dim=1).to(matmul_dtype)
+            inputs = torch.cat([rows.float(), a_scaled], dim=1)
+        else:
+            weights_mm = head.to(matmul_dtype)
+            inputs = rows
+        head_mm = weights_mm[:, :d]
+        total = torch.zeros((), device=device, dtype=f32)
+        ce_all = torch.empty(R, device=device, dtype=f32)
         top3 = torch.empty(R, min(3, head.shape[0]), device=device, dtype=torch.int64)
         target_argmax = torch.empty(R, device=device, dtype=torch.int64)
-        d_rows = torch.zeros_like(rows, dtype=torch.float32) if want_grad else None
-        d_a = torch.zeros_like(a, dtype=torch.float32) if want_grad and has_info else None
-        d_w2 = torch.zeros_like(w2, dtype=torch.float32) if want_grad and has_info else None
-        d_g = torch.zeros_like(norm_weight, dtype=torch.float32) if want_grad and has_info else None
-        for s in _chunks(R, chunk):
-            z = (rows[s].to(matmul_dtype) @ head_mm.T).float()
-            if has_info:
-                u = (a[s].to(matmul_dtype) @ w2_mm).float()
-                inv = torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps)
-                normed = u * inv
-                k = keep[s].to(torch.float32)[:, None]
-                z = z + normed * g * k
+        d_inputs = torch.empty(inputs.shape, device=device, dtype=f32) if want_grad else None
+        m_acc = torch.zeros_like(w2f) if want_grad and has_info else None  # sum (a s)^T dz
+        for sl in _chunks(R, chunk):
+            w = weight[sl].float()
+            z = (inputs[sl].to(matmul_dtype) @ weights_mm.T).float()  # [c, num_hot]
+            t_logits = (target_hidden[sl].to(matmul_dtype) @ head_mm.T).float()
+            top3[sl] = z.topk(top3.shape[1], dim=-1).indices
             log_q = z.log_softmax(-1)
-            t_logits = (target_hidden[s].to(matmul_dtype) @ head_mm.T).float()
+            target_argmax[sl] = t_logits.argmax(-1)
             p = t_logits.softmax(-1)
-            ce = -(p * log_q).sum(-1)
-            ce_all[s] = ce
-            total += (weight[s].float() * ce).sum()
-            top3[s] = z.topk(top3.shape[1], dim=-1).indices
-            target_argmax[s] = t_logits.argmax(-1)
+            del t_logits
+            del z
+            # ce = -p . log_q, the row-wise dot product as a batched matmul (no [c, V] product)
+            ce = -torch.bmm(p[:, None, :], log_q[:, :, None]).view(-1)
+            ce_all[sl] = ce
+            total += (w * ce).sum()
             if want_grad:
-                dz = (log_q.exp() - p) * weight[s].float()[:, None]  # [c, num_hot]
-                d_rows[s] = (dz.to(matmul_dtype) @ head_mm).float()
+                dz = log_q.exp_().sub_(p)  # softmax(z) - p, in place; [c, V]
+                del p
+                dz_mm = dz.to(matmul_dtype)
+                d_inputs[sl] = (dz_mm @ weights_mm).float() * w[:, None]
                 if has_info:
-                    d_bias = dz * k
-                    d_g += (d_bias * normed).sum(0)
-                    d_normed = d_bias * g
-                    du = inv * (d_normed - normed * (d_normed * normed).mean(-1, keepdim=True))
-                    du_mm = du.to(matmul_dtype)
-                    d_w2 += (a[s].to(matmul_dtype).T @ du_mm).float()
-                    d_a[s] = (du_mm @ w2_mm.T).float()
+                    m_acc += (a_scaled[sl] * w[:, None]).to(matmul_dtype).T.matmul(dz_mm).float()
+        d_rows = d_a = d_w2 = d_g = None
+        if want_grad:
+            d_rows = d_inputs[:, :d]
+            if has_info:
+                # Back through the folding (see the module docstring): with D = d(a s) the
+                # gradient reaching a * s, and c_r = s_r / V * (D_r . a_r):
+                # d_a = s D - inv^2 c V (a G); d_w2 = g * M - (sum_r inv_r^2 c_r a_r a_r^T)
+                # @ w2; d_g = sum_k w2 * M; M = sum_r (a s)_r^T dz_r.
+                big_d = d_inputs[:, d:]  # [R, rank]
+                c = s / num_hot * (big_d * af).sum(-1)
+                coef = inv.pow(2) * c  # [R]
+                d_a = s[:, None] * big_d - (coef * num_hot)[:, None] * (af @ gram)
+                d_w2 = m_acc * g - ((af * coef[:, None]).T @ af) @ w2f
+                d_g = (w2f * m_acc).sum(0)
         ctx.save_for_backward(d_rows, d_a, d_w2, d_g)
         ctx.dtypes = (rows.dtype, a.dtype if has_info else None, w2.dtype if has_info else None,
                       norm_weight.dtype if has_info else None)  # fmt: skip

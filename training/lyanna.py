@@ -12,6 +12,7 @@ at any unrolled step (``python -m training.memory`` measures it).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lyanna.drafters.heads import full_vocab_hits
@@ -40,7 +41,7 @@ class LyannaTrainModel(nn.Module):
             fuse_first_token=config.fuse_first_token,
         )
         model = cls(LyannaDraftModel(draft_config, target.embedding, target.hot_vocab), config)
-        state = default_target_state(target_config)
+        state = default_target_state(target_config) if config.init_from_target else None
         if state is not None:
             model.init_from_target(state)
         return model
@@ -70,6 +71,8 @@ class LyannaTrainModel(nn.Module):
             beta=self.train_config.ce_weight,
             steps=self.train_config.unroll_steps,
             drafted_parents=self.train_config.info_parents == "drafted",
+            regression=self.train_config.regression_loss or "mse",
+            feature_noise=self.train_config.feature_noise if self.training else 0.0,
         )
 
     def export(self) -> dict[str, torch.Tensor]:
@@ -105,6 +108,8 @@ def draft_loss(
     beta: float = 0.1,
     steps: int | None = None,
     drafted_parents: bool = False,
+    regression: str = "mse",
+    feature_noise: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """alpha * MSE(h, H) + beta * CE(softmax(l'), softmax(L)) averaged over the chain steps.
 
@@ -115,11 +120,15 @@ def draft_loss(
     MSE covers every weighted position; the cross-entropy (over the hot vocabulary, target
     renormalised on it) and the top-1/top-3 agreement with the target's argmax cover the
     full-weight (answer) positions only: the LM-head products dominate the training cost on
-    a CPU and the answers are what the drafter must predict."""
+    a CPU and the answers are what the drafter must predict.
+
+    Ablations: ``regression="smooth_l1"`` (EAGLE's) in place of the MSE; ``feature_noise``
+    adds Gaussian noise of that std to the target states the chain reads (not its targets)."""
     steps = steps or model.config.chain_steps
     T = hidden.shape[1]
     weight = loss_mask.float()
-    outputs = model.unrolled(hidden, tokens, steps)
+    inputs = hidden + feature_noise * torch.randn_like(hidden) if feature_noise else hidden
+    outputs = model.unrolled(inputs, tokens, steps)
     head = model.hot_head
     total = hidden.new_zeros(())
     metrics: dict[str, float] = {}
@@ -131,7 +140,11 @@ def draft_loss(
         pred = y[:, :valid]  # [B, valid, n]: predicts hidden[j + i]
         target_h = hidden[:, i : i + valid]
         w = weight[:, i + 1 : i + 1 + valid]  # weight of the token being predicted
-        mse = ((pred - target_h).pow(2).mean(-1) * w).sum() / w.sum().clamp_min(1.0)
+        if regression == "smooth_l1":
+            err = F.smooth_l1_loss(pred, target_h, reduction="none").mean(-1)
+        else:
+            err = (pred - target_h).pow(2).mean(-1)
+        mse = (err * w).sum() / w.sum().clamp_min(1.0)
         answer = w >= 1.0
         step_parents = tokens[:, i : i + valid]
         if drafted_parents and all_parents is not None:

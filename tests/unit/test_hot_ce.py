@@ -149,3 +149,54 @@ def test_eagle_composite_loss_matches_the_unchunked_formula() -> None:
     torch.testing.assert_close(loss, ref)
     torch.testing.assert_close(grad, ref_grad)
     assert metrics["s_ce"] == pytest.approx(float((ce * w).sum() / w.sum()), rel=1e-5)
+
+
+def test_bf16_autocast_stays_close_to_the_fp32_reference() -> None:
+    """The folded token-info product under bf16 autocast (the training default on a CPU):
+    loss and gradients within bf16 rounding of the fp32 reference."""
+    rows, head, target, weight, a, w2, g, keep = _case(3, R=64, d=32, H=96, rank=16)
+    with torch.autocast("cpu", torch.bfloat16):
+        out = fused_hot_ce(rows, head, target, weight, TokenInfo(a, w2, g, keep, 1e-5), chunk=16)
+    out.loss.backward()
+    got = [t.grad.clone() for t in (rows, a, w2, g)]
+    for t in (rows, a, w2, g):
+        t.grad = None
+    ref, _, _ = _plain(rows, head, target, weight, a, w2, g, keep)
+    ref.backward()
+    torch.testing.assert_close(out.loss, ref.detach(), rtol=2e-2, atol=1e-2)
+    for mine, t in zip(got, (rows, a, w2, g), strict=True):
+        scale = t.grad.abs().max()
+        assert float((mine - t.grad).abs().max()) <= 0.05 * float(scale)
+
+
+def test_lyanna_regression_loss_options() -> None:
+    """``regression="smooth_l1"`` swaps only the regression term; ``feature_noise`` 0 is a
+    no-op (both are issue-41 ablations of ``training.lyanna.draft_loss``)."""
+    from lyanna.drafters.lyanna_model import LyannaDraftConfig, LyannaDraftModel
+    from training.lyanna import draft_loss
+
+    target = make_tiny_model(3, vocab_size=40)
+    torch.manual_seed(0)
+    draft = LyannaDraftModel(LyannaDraftConfig(target.config, num_hot=24, info_rank=8,
+                                               chain_steps=2),
+                             target.embed_tokens.weight, torch.randperm(40)[:24])  # fmt: skip
+    hidden = 3.0 * torch.randn(2, 9, target.config.hidden_size)
+    tokens = torch.randint(0, 40, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    with torch.no_grad():
+        mse, _ = draft_loss(draft, hidden, tokens, mask, alpha=1.0, beta=0.0, steps=2)
+        sl1, _ = draft_loss(draft, hidden, tokens, mask, alpha=1.0, beta=0.0, steps=2,
+                            regression="smooth_l1")  # fmt: skip
+        same, _ = draft_loss(draft, hidden, tokens, mask, alpha=1.0, beta=0.0, steps=2,
+                             feature_noise=0.0)  # fmt: skip
+        outputs = draft.unrolled(hidden, tokens, 2)
+    expected = (
+        sum(
+            F.smooth_l1_loss(y[:, : 9 - 1 - i], hidden[:, i : 9 - 1], reduction="mean")
+            for i, y in enumerate(outputs, start=1)
+        )
+        / 2
+    )
+    torch.testing.assert_close(sl1, expected)
+    assert float(sl1) < float(mse)
+    torch.testing.assert_close(same, mse)
