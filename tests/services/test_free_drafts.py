@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from gateway.remote import RemoteConfig
-from gateway.remote_seq import split_steps
 from lyanna.drafters.base import DraftBudget
 from lyanna.multi_step import FreeDrafts
 from lyanna.sampling import SamplingParams
 from lyanna.tree import DraftScheme, TokenTree
 from lyanna.tree_cost import VerifyCost
+from remote_engine.seq import split_steps
 from services import codec
 from services.launch import launch
 from services.pb import common_pb2, verifier_pb2

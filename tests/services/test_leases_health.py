@@ -121,7 +121,8 @@ def test_no_lease_keeps_slots_until_released() -> None:
 def test_a_reclaimed_sequence_is_re_prefilled_without_losing_a_token(
     tiny_model_dir, tiny_loaded
 ) -> None:
-    """The gateway stalls longer than the lease (its event loop blocked): the verifier
+    """The gateway stalls longer than the lease (its engine's event loop, where every call to
+    the services runs, blocked): the verifier
     reclaims its slots; when it wakes, its next Verify gets NOT_FOUND and it re-prefills the
     sequences from its history; the answers equal plain greedy decoding."""
     params = SamplingParams(max_tokens=60)
@@ -138,13 +139,15 @@ def test_a_reclaimed_sequence_is_re_prefilled_without_losing_a_token(
                 outcome.tokens += delta.token_ids
                 if stall and len(outcome.tokens) >= 8 and not outcome.steps:
                     outcome.steps.append(None)  # (once)
-                    time.sleep(4.0)  # blocks the whole gateway past the 1 s lease
+                    # blocks every call to the services past the 1 s lease
+                    backend.engine.loop.call_soon_threadsafe(time.sleep, 4.0)
             return outcome
 
         outcomes = await asyncio.gather(collect(PROMPTS[0], True), collect(PROMPTS[1], False))
-        stub = backend._verifier
         for _ in range(100):  # the finished sequences' releases may still be in flight
-            capacity = await stub.Capacity(verifier_pb2.CapacityRequest(), timeout=10)
+            capacity = await backend.on_services(
+                lambda e: e.verifier.Capacity(verifier_pb2.CapacityRequest(), timeout=10)
+            )
             if capacity.free_slots == capacity.total_slots:
                 break
             await asyncio.sleep(0.1)
