@@ -1,18 +1,28 @@
-"""Proof on a CPU that the target's step is ready to be captured as CUDA graphs.
+"""Proof on a CPU that the target's step and the learned drafters' steps are ready to be
+captured as CUDA graphs.
 
-Runs two ``TargetRunner``s on one random-weight model side by side for ``--steps`` greedy
-verifications of random token trees: one verifies through the eager forward, the other through
-``lyanna.model.static_step`` with every bucket's step traced by
+Target: runs two ``TargetRunner``s on one random-weight model side by side for ``--steps``
+greedy verifications of random token trees: one verifies through the eager forward, the other
+through ``lyanna.model.static_step`` with every bucket's step traced by
 ``torch.compile(backend="eager", fullgraph=True)``: any host sync, data-dependent shape or
 Python branch on a tensor inside the step is a graph break, and fullgraph turns it into an
 error. Sequences of random prompt lengths finish and are replaced, batches are random subsets
 of the running ones and trees have random shapes, so the steps cross batch, row and context
-(KV) buckets. Prints one line per bucket, then
+(KV) buckets.
+
+Drafters: EAGLE-2 and Lyanna, random weights next to the same target, each as two drafters
+in lockstep over ``--steps`` engine steps (random prompts, batches and releases as above; the
+target verifies the first drafter's trees and both learn the same verifications): one runs
+its device steps (``lyanna.drafters.static_draft``) eagerly, the other traced per bucket as
+above. Their trees must be equal token for token.
+
+Prints one line per bucket (target, then each drafter's), then
 
     graph-ready: N buckets, 0 graph breaks, 0 recompiles
     traced = eager: S steps, V verdicts, 0 mismatches
+    drafters traced = eager: S steps, T trees, 0 mismatches
 
-and exits 1 on any break, recompile (a bucket compiled twice) or mismatch.
+and exits 1 on any break (naming the first), recompile (a bucket compiled twice) or mismatch.
 
     python -m bench.graph_check [--steps 200] [--seed 0] [--shape tiny|default]
 """
@@ -20,6 +30,7 @@ and exits 1 on any break, recompile (a bucket compiled twice) or mismatch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import sys
 from dataclasses import dataclass
@@ -29,6 +40,12 @@ from torch._dynamo.utils import counters
 
 from bench.common import print_table
 from bench.random_weights import SHAPES, random_model
+from lyanna.drafters.base import DraftBudget, VerifiedStep
+from lyanna.drafters.eagle import EagleDrafter
+from lyanna.drafters.eagle_head import EagleConfig, EagleHead
+from lyanna.drafters.lyanna import LyannaDrafter
+from lyanna.drafters.lyanna_model import LyannaDraftConfig, LyannaDraftModel
+from lyanna.drafters.static_draft import eagle_steps, lyanna_steps
 from lyanna.model.static_step import StaticStep, StepFunction
 from lyanna.model.transformer import Transformer
 from lyanna.sampling import SamplingParams
@@ -42,7 +59,7 @@ def traced(fn: StepFunction) -> StepFunction:
 
 @dataclass(slots=True)
 class CheckResult:
-    buckets: list[tuple[int, int, int]]
+    buckets: list[tuple[int, ...]]
     graph_breaks: int
     recompiles: int
     steps: int
@@ -73,12 +90,14 @@ def check(
     model: Transformer, steps: int = 200, seed: int = 0, max_running: int = 8, max_len: int = 600
 ) -> CheckResult:
     """Run both runners through ``steps`` verifications and compare every verdict."""
-    import torch._dynamo
+    with one_thread():
+        return _check(model, steps, seed, max_running, max_len)
 
-    torch._dynamo.reset()
-    counters.clear()
-    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else None
-    setattr(torch._dynamo.config, limit or "cache_size_limit", 1024)  # buckets share one code
+
+def _check(
+    model: Transformer, steps: int, seed: int, max_running: int, max_len: int
+) -> CheckResult:
+    _fresh_dynamo()
     config = dict(max_running=max_running, max_len=max_len)
     eager = TargetRunner(model, TargetConfig(**config, static_step=False))
     static = TargetRunner(model, TargetConfig(**config, static_step=True))
@@ -129,6 +148,157 @@ def check(
     )
 
 
+@contextlib.contextmanager
+def one_thread():
+    """One intra-op thread for the check: its tiny steps gain nothing from more, and on a
+    shared host whose cores are busy every product waits for the slowest thread (40x slower
+    measured at a load of 8 on 2 cores). Both sides of every comparison run alike."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _fresh_dynamo() -> None:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    counters.clear()
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else None
+    setattr(torch._dynamo.config, limit or "cache_size_limit", 1024)  # buckets share one code
+
+
+DRAFTERS = ("eagle", "lyanna")
+DRAFT_BUDGET = DraftBudget(depth=4, top_k=3, max_tokens=16)
+
+
+def random_drafter(
+    method: str,
+    model: Transformer,
+    seed: int,
+    budget: DraftBudget = DRAFT_BUDGET,
+    max_running: int = 4,
+    max_len: int = 400,
+    **flags,
+):
+    """An EAGLE-2 or Lyanna drafter with random weights (the same for the same seed) next to
+    ``model``, on the device-generic path a GPU runs (``flags``: e.g. ``generic=False`` for
+    the CPU fast paths, ``device_steps=False`` for the host-built trees)."""
+    torch.manual_seed(seed)
+    config = model.config
+    hot = torch.randperm(config.vocab_size)[: max(16, config.vocab_size // 2)]
+    flags = dict(generic=True) | flags
+    kwargs = dict(budget=budget, max_running=max_running, max_len=max_len, **flags)
+    if method == "eagle":
+        head = EagleHead(EagleConfig.for_target(config, hot.numel()))
+        head.hot_vocab.copy_(hot)
+        return EagleDrafter(model, head, **kwargs)
+    draft_config = LyannaDraftConfig(config, num_hot=hot.numel(), info_rank=16)
+    draft = LyannaDraftModel(draft_config, model.embed_tokens.weight, hot)
+    with torch.no_grad():
+        draft.w2.normal_(0.0, 0.5)  # a token-info table that changes the trees
+    return LyannaDrafter(model, draft, **kwargs)
+
+
+@dataclass(slots=True)
+class LockstepResult:
+    steps: int  # engine steps run
+    trees: int  # trees compared
+    mismatches: int  # trees that differ from the first drafter's
+    first_break: str | None = None
+    first_mismatch: str | None = None
+
+
+def lockstep(
+    model: Transformer,
+    drafters: list,
+    steps: int,
+    seed: int,
+    max_running: int = 4,
+    max_len: int = 400,
+) -> LockstepResult:
+    """Drive ``drafters`` (alike but for how they draft) through ``steps`` engine steps in
+    lockstep: random prompts of 1-160 tokens start and finish, each step drafts for a random
+    subset of the running sequences, the target verifies the first drafter's trees greedily
+    and every drafter learns the same verifications. Counts the trees that differ (tokens or
+    parents) from the first drafter's. An exception while drafting (a graph break under
+    fullgraph) stops the run and is named."""
+    runner = TargetRunner(model, TargetConfig(max_running, max_len, static_step=False))
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=max_len)
+    running: dict[int, int] = {}  # seq id -> tokens it may still take
+    result = LockstepResult(0, 0, 0)
+    next_id = 0
+    for _ in range(steps):
+        while not running or (len(running) < max_running and rng.random() < 0.5):
+            prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 160))]
+            first = runner.prefill(next_id, prompt, params)
+            for drafter in drafters:
+                drafter.start(next_id, prompt, first.hidden, first.first_token, params)
+            running[next_id] = max_len - len(prompt) - 1
+            next_id += 1
+        batch = sorted(rng.sample(sorted(running), rng.randint(1, len(running))))
+        try:
+            proposals = [drafter.propose(batch) for drafter in drafters]
+        except Exception as err:  # a graph break under fullgraph, named
+            result.first_break = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+            break
+        result.steps += 1
+        for i, seq in enumerate(batch):
+            trees = [proposal[i] for proposal in proposals]
+            result.trees += 1
+            first = (trees[0].token_list, trees[0].parents.tolist())
+            if any((t.token_list, t.parents.tolist()) != first for t in trees[1:]):
+                result.mismatches += 1
+                result.first_mismatch = result.first_mismatch or f"sequence {seq}: {trees}"
+        verified = runner.verify(batch, proposals[0], return_hidden=True)
+        learned = [VerifiedStep.of(seq, v) for seq, v in zip(batch, verified, strict=True)]
+        for drafter in drafters:
+            drafter.on_verified(learned)
+        for seq, v in zip(batch, verified, strict=True):
+            running[seq] -= len(v.verdict.tokens)
+            if running[seq] < 40 or rng.random() < 0.03:
+                del running[seq]
+                runner.release(seq)
+                for drafter in drafters:
+                    drafter.release(seq)
+    return result
+
+
+def check_drafter(
+    model: Transformer, method: str, steps: int = 200, seed: int = 0
+) -> tuple[CheckResult, int]:
+    """One learned drafter's device steps traced per bucket against the same steps run
+    eagerly, in lockstep (``lockstep``); returns the result and the trees compared."""
+    _fresh_dynamo()
+    eager = random_drafter(method, model, seed)
+    traced_drafter = random_drafter(method, model, seed)
+    make = eagle_steps if method == "eagle" else lyanna_steps
+    traced_drafter.steps = make(traced_drafter, capture=False, wrap=traced)
+    with one_thread():
+        run = lockstep(model, [eager, traced_drafter], steps, seed)
+    keys = traced_drafter.steps.keys_seen
+    breaks = sum(counters["graph_break"].values()) + (run.first_break is not None)
+    compiled = counters["stats"]["unique_graphs"]
+    result = CheckResult(
+        buckets=[_key_fields(k) for k in keys],
+        graph_breaks=breaks,
+        recompiles=max(0, compiled - len(keys)),
+        steps=run.steps,
+        verdicts=run.trees,
+        mismatches=run.mismatches,
+        first_break=run.first_break,
+    )
+    return result, run.trees
+
+
+def _key_fields(key) -> tuple[int, ...]:
+    return tuple(getattr(key, name) for name in key.__slots__)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200)
@@ -138,18 +308,45 @@ def main(argv: list[str] | None = None) -> int:
     model = random_model(args.shape, args.seed)
     result = check(model, args.steps, args.seed)
     rows = sorted(result.buckets)
+    print("target verify step")
     print_table(["batch", "rows", "kv_len"], [list(r) for r in rows])
-    if result.first_break:
-        print(f"first break: {result.first_break}")
+    drafted = {m: check_drafter(model, m, args.steps, args.seed) for m in DRAFTERS}
+    for method, (drafter, _) in drafted.items():
+        print(f"\n{method} draft steps")
+        print_table(
+            ["step", "batch", "shape", "kv_len"],
+            [_bucket_row(method, fields) for fields in sorted(drafter.buckets)],
+        )
+    everything = [result] + [d for d, _ in drafted.values()]
+    first_break = next((r.first_break for r in everything if r.first_break), None)
+    if first_break:
+        print(f"first break: {first_break}")
     print(
-        f"graph-ready: {len(rows)} buckets, {result.graph_breaks} graph breaks, "
-        f"{result.recompiles} recompiles"
+        f"graph-ready: {sum(len(r.buckets) for r in everything)} buckets, "
+        f"{sum(r.graph_breaks for r in everything)} graph breaks, "
+        f"{sum(r.recompiles for r in everything)} recompiles"
     )
     print(
         f"traced = eager: {result.steps} steps, {result.verdicts} verdicts, "
         f"{result.mismatches} mismatches"
     )
-    return 0 if result.ok else 1
+    for method, (drafter, trees) in drafted.items():
+        print(
+            f"{method} traced = eager: {drafter.steps} steps, {trees} trees, "
+            f"{drafter.mismatches} mismatches"
+        )
+    return 0 if all(r.ok for r in everything) else 1
+
+
+def _bucket_row(method: str, fields: tuple[int, ...]) -> list[object]:
+    """A drafter bucket as (step, batch, shape, kv_len)."""
+    if method == "lyanna":
+        batch, steps, k, kv_len = fields
+        return ["chain + tree", batch, f"{steps} steps, top-{k}", kv_len]
+    if len(fields) == 2:
+        return ["root", fields[0], f"top-{fields[1]}", "-"]
+    batch, k, width, kv_len = fields
+    return ["depth", batch, f"top-{k}, {width} tree rows", kv_len]
 
 
 if __name__ == "__main__":

@@ -15,10 +15,17 @@ top-k set: ``DraftScheme.TOPK``; at temperature > 0 children are drawn without r
 instead (``lyanna.drafters.sampled``). Every step is a few tensor ops over the whole batch: no
 Python loop runs per node, per mask row or per sequence until the nodes are read back.
 
-On a GPU (``lyanna.drafters.placement``) the forwards, LM head, softmax and draws run on the
-drafter's device and each depth's children come to the CPU in one copy (``Children.to_host``);
-the tree's bookkeeping (tokens, parents, joint probabilities, frontier, masks) is CPU tensors,
-and the few index tensors a forward needs (rows, mask, positions, parent slots) go back.
+Top-k trees (every greedy batch) grow through fixed-shape device steps
+(``lyanna.drafters.static_draft``, ``_grow_on_device``): a root step, then one depth step per
+depth over a window of draft-KV slots, the frontier (states, tokens, joint probabilities,
+ancestor rows) handed from depth to depth on the device and the whole tree read back in one
+copy; a GPU captures each step once per bucket as a CUDA graph, the CPU runs the same steps
+eagerly (with its fast paths inside: prepacked heads, the native decoder's layer). Sampled
+trees (temperature > 0) draw on CPU generators and keep ``_grow``: on a GPU
+(``lyanna.drafters.placement``) its forwards, LM head, softmax and draws run on the drafter's
+device and each depth's children come to the CPU in one copy (``Children.to_host``); the
+tree's bookkeeping (tokens, parents, joint probabilities, frontier, masks) is CPU tensors, and
+the few index tensors a forward needs (rows, mask, positions, parent slots) go back.
 
 A subclass provides the draft KV cache, the hot vocabulary and its LM head, the rotary tables,
 ``_catch_up`` (committed tokens into the draft KV) and ``_node_forward`` (what one tree step
@@ -35,9 +42,18 @@ from torch import nn
 
 from lyanna.draft_nodes import DraftNodes
 from lyanna.drafters.base import DraftBudget
+from lyanna.drafters.placement import to_host
 from lyanna.drafters.sampled import DraftSampling, SampledDrafting, SampledTrees, head_children
 from lyanna.drafters.scopes import LAYER_SCOPE, scope
+from lyanna.drafters.static_draft import (
+    DepthKey,
+    RootKey,
+    draft_window,
+    eagle_steps,
+    kv_bucket,
+)
 from lyanna.model.kv_cache import KVCache
+from lyanna.model.static_step import CapturedSteps
 from lyanna.model.transformer import ForwardContext
 from lyanna.tree import TokenTree
 
@@ -59,6 +75,10 @@ class DynamicTreeDrafter(SampledDrafting):
     _seqs: dict[int, RootedState]
     _depth_seconds: float | None = None  # how long the last draft depth took
     generic: bool = False  # the device-generic path (placement): children copied to the CPU
+    # top-k trees grow through the fixed-shape device steps (``static_draft``); a subclass
+    # opts in (False: the host-built tree of ``_grow``, which sampled trees always take)
+    device_steps: bool = False
+    _steps: CapturedSteps | None = None
 
     @torch.inference_mode()
     def propose(self, seq_ids: list[int]) -> list[TokenTree]:
@@ -68,7 +88,10 @@ class DynamicTreeDrafter(SampledDrafting):
         if behind:
             self._catch_up(behind)
         draws = self._draws(seq_ids)
-        nodes = self._grow(states, start, draws)
+        if self.device_steps and all(d is None for d in draws):
+            nodes = self._grow_on_device(states, start)
+        else:
+            nodes = self._grow(states, start, draws)
         elapsed = time.perf_counter() - start
         calibrations = self._calibrations_for(seq_ids)
         return [n.to_tree() for n in self.budget.prune(nodes, elapsed, calibrations)]
@@ -200,6 +223,80 @@ class DynamicTreeDrafter(SampledDrafting):
         nodes = _nodes(torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(logq, 1))
         return sampled.attach(nodes, self.hot_vocab)
 
+    @property
+    def steps(self) -> CapturedSteps:
+        """The draft steps by bucket (made on first use; ``bench.graph_check`` sets its own)."""
+        if self._steps is None:
+            self._steps = eagle_steps(self)
+        return self._steps
+
+    @steps.setter
+    def steps(self, steps: CapturedSteps) -> None:
+        self._steps = steps
+
+    def _grow_on_device(self, states: list[RootedState], start: float) -> list[DraftNodes]:
+        """``_grow`` for top-k trees through the fixed-shape steps of ``static_draft``: the
+        root step, then one depth step per depth over the window of draft slots, each
+        depth's frontier (states, tokens, joint probabilities, ancestor rows, node indices)
+        handed to the next on the device. The host only builds the inputs from its own
+        bookkeeping and, at the end, reads the tree back in one copy (a cost curve's decision
+        to grow deeper also reads the joint probabilities: one small copy per depth). The
+        same nodes as ``_grow`` (tests/unit/test_static_draft.py)."""
+        budget, cache, steps = self.budget, self.cache, self.steps
+        k = min(budget.top_k, self.hot_vocab.numel())
+        slots = [s.slot for s in states]
+        batch = draft_window(cache, slots)
+        index = torch.tensor(slots)
+        first = states[0].root_state
+        device = first.device
+        rows = index.to(device)  # each sequence's row of the window
+        root = first.new_zeros(batch, 1, first.shape[-1])
+        root[rows, 0] = torch.stack([s.root_state for s in states])
+        joint, child_tokens = steps.run(RootKey(batch, k), (root,))
+        keep = _clone if steps.capture else _same  # a graph's outputs: its next replay's
+        blocks = [(keep(child_tokens), None, keep(joint))]  # per depth: tokens, parents, logq
+        joints = [blocks[0][2]]  # log joint probability of every drafted node (cost curve)
+        if budget.depth > 1:
+            width = (budget.depth - 1) * k
+            key = DepthKey(batch, k, width, kv_bucket(cache, index, width))
+            lengths = cache.lengths[:batch].to(device)
+            depths = torch.arange(budget.depth, device=device)
+            # contiguous as every later depth's frontier (a traced step guards on strides)
+            frontier = torch.arange(1, k + 1, device=device).repeat(batch, 1)
+            frontier_states = root.expand(batch, k, -1).contiguous()
+            frontier_tokens = child_tokens
+            ancestors = torch.zeros(batch, k, width, dtype=torch.bool, device=device)
+        for depth in range(1, budget.depth):
+            if budget.cost is not None and not self._worth_deeper(
+                [j[rows] for j in joints], joint[rows], start
+            ):
+                break
+            depth_start = time.perf_counter()
+            cache.check_room(index, depth * k)
+            (tokens, parents, logq, cand_joint, *frontier_out) = steps.run(
+                key,
+                (lengths, depths[depth], frontier_states, frontier_tokens, joint)
+                + (ancestors, frontier),
+            )
+            frontier_states, frontier_tokens, joint, ancestors, frontier = frontier_out
+            blocks.append((keep(tokens), keep(parents), keep(logq)))
+            if budget.cost is not None:
+                joints.append(keep(cand_joint))
+            self._depth_seconds = time.perf_counter() - depth_start
+        # the one copy to the host: every depth's children of the drafting rows
+        parts = [torch.cat([b[0] for b in blocks], 1), torch.cat([b[2] for b in blocks], 1)]
+        if len(blocks) > 1:
+            parts.append(torch.cat([b[1] for b in blocks[1:]], 1))
+        tokens, logq, *deeper = to_host(*(part[rows] for part in parts))
+        B = len(states)
+        roots = torch.tensor([[s.root] for s in states])
+        parents = [torch.full((B, 1), -1), torch.zeros(B, k, dtype=torch.int64), *deeper]
+        return _nodes(
+            torch.cat([roots, tokens], 1),
+            torch.cat(parents, 1),
+            torch.cat([torch.zeros(B, 1), logq], 1),
+        )
+
     def _worth_deeper(
         self,
         joints: list[torch.Tensor],
@@ -244,3 +341,11 @@ def _nodes(
             zip(tokens.tolist(), parents.tolist(), strict=True)
         )
     ]
+
+
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    return t.clone()
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t

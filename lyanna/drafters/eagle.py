@@ -60,6 +60,7 @@ class EagleDrafter(DynamicTreeDrafter):
         sample_drafts: bool = True,  # at T > 0: children drawn without replacement
         weight_dtype: torch.dtype | str | None = "auto",  # "auto": see DraftPlacement.of
         generic: bool = False,  # the device-generic path on the CPU too (tests)
+        device_steps: bool = True,  # top-k trees through static_draft's steps (False: host)
     ) -> None:
         self.budget = budget or DraftBudget()
         self._init_sampling(sample_drafts)
@@ -83,8 +84,11 @@ class EagleDrafter(DynamicTreeDrafter):
         self.rope_cos, self.rope_sin = self.head.rope_cos, self.head.rope_sin  # float32
         config = self.head.config.layer_config()
         max_len = min(max_len, config.max_position_embeddings)
-        self.cache = KVCache(config, max_running, max_len, place.dtype, place.device)
+        # spare rows: a device step's inactive window rows write a tree past a full prefix
+        spare = (self.budget.depth - 1) * self.budget.top_k
+        self.cache = KVCache(config, max_running, max_len, place.dtype, place.device, spare)
         self._seqs: dict[int, _DraftState] = {}
+        self.device_steps = device_steps
 
     # -- Drafter protocol --------------------------------------------------------------
 

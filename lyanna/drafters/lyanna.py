@@ -11,8 +11,11 @@ token (no new forward) and the subtree is either merged into the next verificati
 
 The draft model runs on the target's device (``lyanna.drafters.placement``): on the CPU with
 the fast paths of ``lyanna.drafters.heads``, elsewhere (a GPU) as plain modules in the
-target's dtype with its draft KV, chain logits and token-info table there; trees are built on
-the CPU from each depth's children (one copy per depth).
+target's dtype with its draft KV, chain logits and token-info table there. A top-k draft (every
+greedy batch) runs after the context catch-up as one fixed-shape device step
+(``lyanna.drafters.static_draft``: chain, one-pass logits, token-info tree), captured per bucket
+as a CUDA graph on a GPU and run eagerly on the CPU, its tree read back in one copy; sampled
+trees are built on the CPU from each depth's children (one copy per depth).
 """
 
 from __future__ import annotations
@@ -33,12 +36,14 @@ from lyanna.drafters.heads import (
     prepare_draft_layers,
 )
 from lyanna.drafters.lyanna_model import LyannaDraftConfig, LyannaDraftModel
-from lyanna.drafters.placement import DraftPlacement
+from lyanna.drafters.placement import DraftPlacement, to_host
 from lyanna.drafters.sampled import DraftSampling, SampledDrafting
 from lyanna.drafters.scopes import LAYER_SCOPE, LM_HEAD_SCOPE, scope
+from lyanna.drafters.static_draft import ChainKey, draft_window, kv_bucket, lyanna_steps
 from lyanna.drafters.token_info_tree import build_subtrees, resample_subtree
 from lyanna.model.kv_cache import KVCache
 from lyanna.model.quant import runs_q4
+from lyanna.model.static_step import CapturedSteps
 from lyanna.model.transformer import Transformer, eager_context
 from lyanna.tree import TokenTree
 
@@ -84,8 +89,11 @@ class LyannaDrafter(SampledDrafting):
         weight_dtype: torch.dtype | str | None = "auto",  # "auto": see DraftPlacement.of
         sample_drafts: bool = True,  # at T > 0: children drawn without replacement
         generic: bool = False,  # the device-generic path on the CPU too (tests)
+        device_steps: bool = True,  # top-k trees through static_draft's step (False: host)
     ) -> None:
         self.draft = draft.eval()
+        self.device_steps = device_steps
+        self._steps: CapturedSteps | None = None
         self.placement = place = DraftPlacement.of(target, weight_dtype, generic)
         # the hot maps build trees and index their rows: CPU bookkeeping on every device
         self.hot_ids, self.hot_index = draft.hot_ids.cpu(), draft.hot_index.cpu()
@@ -106,8 +114,13 @@ class LyannaDrafter(SampledDrafting):
         self._init_sampling(sample_drafts)  # and the gain calibrations
         self.resample = resample or ResampleConfig()
         layer_config = replace(draft.config.target, num_layers=1)
-        self.cache = KVCache(
-            layer_config, max_running, max_len + self.budget.depth + 1, place.dtype, place.device
+        self.cache = KVCache(  # spare rows: a device step's inactive window rows write a chain
+            layer_config,
+            max_running,
+            max_len + self.budget.depth + 1,
+            place.dtype,
+            place.device,
+            spare_rows=self.budget.depth,
         )
         self.seqs: dict[int, _SeqState] = {}
         self._target = target
@@ -213,6 +226,8 @@ class LyannaDrafter(SampledDrafting):
     ) -> list[DraftNodes]:
         """Each sequence's fresh candidates, pruned to the budget (not yet a tree: fusion
         may still merge the re-sampled subtree into them)."""
+        if self.device_steps and all(d is None for d in draws):
+            return self._fresh_on_device(states)
         with scope(LAYER_SCOPE):
             chains = self._chains(states)  # [B, N, n]
         with scope(LM_HEAD_SCOPE):
@@ -232,6 +247,25 @@ class LyannaDrafter(SampledDrafting):
 
     def _chains(self, states: list[_SeqState]) -> torch.Tensor:  # [B, N, n]
         """h1 from the pending context, then h2..hN from the chain alone."""
+        draft, cache, place = self.draft, self.cache, self.placement
+        slots = torch.tensor([s.slot for s in states])  # CPU bookkeeping, as the target's
+        h = self._context(states)
+        context_len = [s.next_position for s in states]
+        chain = [h]
+        for step in range(1, self.budget.depth):
+            pos = place.ids([[p + step - 1] for p in context_len])
+            ctx = eager_context(cache, slots, pos, None, draft.rope_cos, draft.rope_sin)
+            h = draft.out_norm(draft.layer(h[:, None], ctx, 0)[:, 0])
+            for s in states:
+                cache.commit_prefix(s.slot, 1)
+            chain.append(h)
+        for s, length in zip(states, context_len, strict=True):
+            cache.truncate(s.slot, length)
+        return torch.stack(chain, dim=1)
+
+    def _context(self, states: list[_SeqState]) -> torch.Tensor:  # [B, n] h1
+        """Run each sequence's pending fused inputs into the draft KV (one eager forward:
+        their counts vary like a prompt's) and commit them; the last output is h1."""
         draft, cache, place = self.draft, self.cache, self.placement
         for s in states:
             self._fuse_pending(s)
@@ -257,24 +291,58 @@ class LyannaDrafter(SampledDrafting):
             last = out[:, -1]
         else:
             last = out[place.ids(list(range(len(states)))), place.ids(counts) - 1]
-        h = draft.out_norm(last)  # [B, n] = h1
-        context_len = []
         for s, m in zip(states, counts, strict=True):
             cache.commit_prefix(s.slot, m)
             s.next_position += m
             s.pending = s.pending[:0]
-            context_len.append(s.next_position)
-        chain = [h]
-        for step in range(1, self.budget.depth):
-            pos = place.ids([[p + step - 1] for p in context_len])
-            ctx = eager_context(cache, slots, pos, None, draft.rope_cos, draft.rope_sin)
-            h = draft.out_norm(draft.layer(h[:, None], ctx, 0)[:, 0])
-            for s in states:
-                cache.commit_prefix(s.slot, 1)
-            chain.append(h)
-        for s, length in zip(states, context_len, strict=True):
-            cache.truncate(s.slot, length)
-        return torch.stack(chain, dim=1)
+        return draft.out_norm(last)  # [B, n] = h1
+
+    @property
+    def steps(self) -> CapturedSteps:
+        """The chain-and-tree step by bucket (made on first use; ``bench.graph_check`` sets
+        its own)."""
+        if self._steps is None:
+            self._steps = lyanna_steps(self)
+        return self._steps
+
+    @steps.setter
+    def steps(self, steps: CapturedSteps) -> None:
+        self._steps = steps
+
+    def _fresh_on_device(self, states: list[_SeqState]) -> list[DraftNodes]:
+        """``_fresh_trees`` for top-k trees: after the context catch-up, the chain, its
+        logits and the token-info tree in one fixed-shape step over the window of draft
+        slots (``static_draft.chain_step``), read back in one copy. The same nodes as the
+        host path (tests/unit/test_static_draft.py)."""
+        cache, steps = self.cache, self.steps
+        with scope(LAYER_SCOPE):
+            h1 = self._context(states)  # [B, n]
+        slots = [s.slot for s in states]
+        batch = draft_window(cache, slots)
+        index = torch.tensor(slots)
+        chain_rows = self.budget.depth - 1
+        cache.check_room(index, chain_rows)
+        kv_len = kv_bucket(cache, index, max(chain_rows, 1))
+        key = ChainKey(batch, self.budget.depth, self.budget.top_k, kv_len)
+        rows = index.to(h1.device)  # each sequence's row of the window
+        x = h1.new_zeros(batch, h1.shape[-1])
+        x[rows] = h1
+        roots_hot = torch.full((batch,), -1, dtype=torch.int64)
+        roots_hot[index] = self.hot_index[torch.tensor([s.root for s in states])]
+        lengths = cache.lengths[:batch]
+        columns, parents, probs, logits = steps.run(key, (x, lengths, roots_hot))
+        for state, row in zip(states, slots, strict=True):  # for re-sampling after verification
+            state.chain_logits = logits[row].clone() if steps.capture else logits[row]
+        columns, parents, probs = to_host(columns[rows], parents[rows], probs[rows])
+        B = len(states)
+        roots = torch.tensor([[s.root] for s in states])
+        tokens = torch.cat([roots, self.hot_ids[columns]], 1).tolist()
+        parents = torch.cat([torch.full((B, 1), -1), parents], 1).tolist()
+        probs = torch.cat([torch.ones(B, 1), probs], 1).tolist()
+        return [
+            DraftNodes(*node).prune(self.budget.max_tokens)  # the cap
+            for node in zip(tokens, parents, probs, strict=True)
+        ]
 
 
 def _token_paths(nodes: DraftNodes) -> frozenset[tuple[int, ...]]:

@@ -76,6 +76,41 @@ def build_subtrees(
     return sampled.attach(nodes, hot_ids)
 
 
+def device_subtrees(
+    logits: torch.Tensor,  # [B, steps, num_hot] raw chain logits (no token info yet)
+    roots_hot: torch.Tensor,  # [B] int64 hot row of each root token, -1 if cold
+    top_k: int,
+    info_table: torch.Tensor | None,  # [num_hot, num_hot] collapsed token info, or None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # hot columns, parents, probs [B, M]
+    """``build_subtrees`` for top-k trees, every step on the logits' device and nothing read
+    back: each drafted node's hot column, parent index and draft probability in node order
+    (node i + 1 of the tree is column i: the root is left out). The same row arithmetic,
+    ``draw_children``'s softmax and top-k, and the same float64 joint probabilities, so
+    the same nodes; ``lyanna.drafters.static_draft`` runs it inside Lyanna's draft step."""
+    B = logits.shape[0]
+    device = logits.device
+    frontier = torch.zeros(B, 1, dtype=torch.int64, device=device)  # [B, f] node indices
+    frontier_log_joint = torch.zeros(B, 1, dtype=torch.float64, device=device)
+    frontier_hot = roots_hot[:, None]  # [B, f] hot rows of frontier tokens
+    columns, parents, probs = [], [], []
+    num_nodes = 1
+    for step in range(logits.shape[1]):
+        rows = logits[:, step, None].expand(-1, frontier.shape[1], -1).float()
+        rows = _with_token_info(rows, frontier_hot, info_table, first=step == 0)
+        top = rows.softmax(-1).topk(top_k, dim=-1)  # [B, f, k]
+        child_probs, child_cols = top.values, top.indices
+        log_joint = (frontier_log_joint[..., None] + child_probs.double().log()).flatten(1)
+        columns.append(child_cols.flatten(1))
+        parents.append(frontier.repeat_interleave(top_k, dim=1))
+        probs.append(child_probs.flatten(1))
+        keep = log_joint.topk(min(top_k, log_joint.shape[1]), dim=-1).indices  # [B, f']
+        frontier = num_nodes + keep
+        num_nodes += log_joint.shape[1]
+        frontier_log_joint = log_joint.gather(1, keep)
+        frontier_hot = child_cols.flatten(1).gather(1, keep)
+    return torch.cat(columns, 1), torch.cat(parents, 1), torch.cat(probs, 1)
+
+
 def _greedy_chains(
     logits: torch.Tensor,  # [B, steps, num_hot]
     root_tokens: list[int],

@@ -15,12 +15,15 @@ step, and reads back one tensor for greedy sequences: the argmax of every node. 
 the eager forward: their lengths vary and they run once per request.
 
 The step function is plain PyTorch: the CPU tests run it eagerly, ``bench.graph_check``
-traces it with ``torch.compile(fullgraph=True)``, and a GPU captures it.
+traces it with ``torch.compile(fullgraph=True)``, and a GPU captures it. ``CapturedSteps``
+(step functions by bucket key, a CUDA graph each on a GPU) and ``window_context`` (the
+device-built mask over a window) also run the learned drafters' steps
+(``lyanna.drafters.static_draft``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -91,23 +94,18 @@ def step_forward(
     """One forward of the window with its logits and argmax: device tensors in, device
     tensors out, no host sync, shapes fixed by ``(batch, rows, kv_len)``."""
     B, q = tokens.shape
-    offsets = torch.arange(q, device=tokens.device)
-    rows = lengths[:, None] + offsets  # [B, q] the cache row each new token writes
-    cols = torch.arange(kv_len, device=tokens.device)
-    relative = cols[None, None, :] - lengths[:, None, None]  # [B, 1, kv]: new-token index
-    in_tree = tree_mask.gather(2, relative.clamp(0, q - 1).expand(B, q, kv_len))
-    mask = (relative < 0) | ((relative < q) & in_tree)  # committed rows, or the tree's
-    ctx = ForwardContext(
-        cache=cache,
-        slots=window,
-        rows=rows,
-        kv_len=kv_len,
-        cos=model.rope_cos[positions].unsqueeze(1),
-        sin=model.rope_sin[positions].unsqueeze(1),
-        mask=mask.unsqueeze(1),
-        read_slots=slice(0, B),
-        attention_dtype=model.attention_dtype,
-        static=True,
+    rows = lengths[:, None] + torch.arange(q, device=tokens.device)  # [B, q] cache rows written
+    ctx = window_context(
+        cache,
+        window,
+        kv_len,
+        lengths,
+        rows,
+        positions,
+        tree_mask,
+        model.rope_cos,
+        model.rope_sin,
+        model.attention_dtype,
     )
     x = model.embed_tokens(tokens)
     for i, layer in enumerate(model.layers):
@@ -117,16 +115,57 @@ def step_forward(
     return hidden, logits, logits.argmax(dim=-1)
 
 
-StepFunction = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+def window_context(
+    cache: KVCache,
+    window: torch.Tensor,  # [batch] int64 = arange(batch) on the cache's device
+    kv_len: int,
+    lengths: torch.Tensor,  # [batch] int64 committed rows of each slot
+    rows: torch.Tensor,  # [batch, q] int64 the cache row each new token writes
+    positions: torch.Tensor,  # [batch, q] int64
+    visible: torch.Tensor,  # [batch, q, width] bool: the tree rows each new token sees
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    attention_dtype: torch.dtype | None = None,
+) -> ForwardContext:
+    """The context of a step over a window of slots, built on the device: new token i of
+    slot b sees the slot's ``lengths[b]`` committed rows and the tree rows r (cache row
+    ``lengths[b] + r``, ``r < width``) where ``visible[b, i, r]``. The target's verify step
+    and the learned drafters' steps (``lyanna.drafters.static_draft``) share it."""
+    B, q, width = visible.shape
+    cols = torch.arange(kv_len, device=visible.device)
+    relative = cols[None, None, :] - lengths[:, None, None]  # [B, 1, kv]: tree row, < 0: committed
+    in_tree = visible.gather(2, relative.clamp(0, width - 1).expand(B, q, kv_len))
+    mask = (relative < 0) | ((relative < width) & in_tree)
+    return ForwardContext(
+        cache=cache,
+        slots=window,
+        rows=rows,
+        kv_len=kv_len,
+        cos=cos_table[positions].unsqueeze(1),
+        sin=sin_table[positions].unsqueeze(1),
+        mask=mask.unsqueeze(1),
+        read_slots=slice(0, B),
+        attention_dtype=attention_dtype,
+        static=True,
+    )
+
+
+StepFunction = Callable[..., tuple[torch.Tensor, ...]]
 
 
 class _Captured:
     """One bucket's CUDA graph: static input buffers, the graph, its output buffers."""
 
     def __init__(
-        self, fn: StepFunction, inputs: StepInputs, device: torch.device, pool: object
+        self,
+        fn: StepFunction,
+        inputs: tuple[torch.Tensor, ...],
+        device: torch.device,
+        pool: object,
     ) -> None:
-        self.buffers = [t.to(device) for t in _fields(inputs)]
+        # buffers of its own: an input already on the device (another step's output) is
+        # copied, never aliased
+        self.buffers = [t.to(device, copy=True) for t in inputs]
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):  # warm up (allocator, cuBLAS handles) off the graph
@@ -138,11 +177,50 @@ class _Captured:
         with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.outputs = fn(*self.buffers)
 
-    def replay(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        for buffer, value in zip(self.buffers, _fields(inputs), strict=True):
+    def replay(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        for buffer, value in zip(self.buffers, inputs, strict=True):
             buffer.copy_(value, non_blocking=True)
         self.graph.replay()
         return self.outputs
+
+
+class CapturedSteps:
+    """Step functions by bucket key, each made once by ``make(key)``: captured as a CUDA graph
+    when ``capture`` (the default on a GPU: static input buffers that every run fills before
+    it replays the graph), run eagerly otherwise, or through ``wrap`` (``bench.graph_check``
+    passes ``torch.compile``). A step takes and returns device tensors whose shapes depend on
+    its key alone. A captured step's outputs are its graph's buffers: the next run of the
+    same key overwrites them (``capture`` tells a caller to clone what it keeps). The
+    target's ``StaticStep`` and the learned drafters' steps (``lyanna.drafters.static_draft``)
+    both run on it. ``keys_seen`` lists the buckets run so far, in first-use order."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        make: Callable[[Hashable], StepFunction],
+        capture: bool | None = None,
+        wrap: Callable[[StepFunction], StepFunction] | None = None,
+    ) -> None:
+        self.device, self.make, self.wrap = device, make, wrap
+        self.capture = device.type == "cuda" if capture is None else capture
+        self.keys_seen: list[Hashable] = []
+        self._functions: dict[Hashable, StepFunction] = {}
+        self._graphs: dict[Hashable, _Captured] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+
+    @torch.inference_mode()
+    def run(self, key: Hashable, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        function = self._functions.get(key)
+        if function is None:
+            self.keys_seen.append(key)
+            function = self.make(key)
+            function = self._functions[key] = self.wrap(function) if self.wrap else function
+        if not self.capture:
+            return function(*(t.to(self.device) for t in inputs))
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = _Captured(function, inputs, self.device, self._pool)
+        return graph.replay(inputs)
 
 
 def _fields(inputs: StepInputs) -> tuple[torch.Tensor, ...]:
@@ -150,9 +228,10 @@ def _fields(inputs: StepInputs) -> tuple[torch.Tensor, ...]:
 
 
 class StaticStep:
-    """Runs ``step_forward`` per bucket: captured as a CUDA graph when ``capture`` (the
-    default on a GPU), eagerly otherwise, or through ``wrap`` (``bench.graph_check`` passes
-    ``torch.compile``). ``keys_seen`` lists the buckets run so far, in first-use order."""
+    """Runs ``step_forward`` per bucket on ``CapturedSteps``: captured as a CUDA graph when
+    ``capture`` (the default on a GPU), eagerly otherwise, or through ``wrap``
+    (``bench.graph_check`` passes ``torch.compile``). ``keys_seen`` lists the buckets run so
+    far, in first-use order."""
 
     def __init__(
         self,
@@ -165,17 +244,19 @@ class StaticStep:
             raise ValueError("a static step needs a cache with ROW_BUCKETS[-1] spare rows")
         self.model, self.cache = model, cache
         self.device = cache.keys.device
-        self.capture = self.device.type == "cuda" if capture is None else capture
-        self.wrap = wrap
+        self.steps = CapturedSteps(self.device, self._function, capture, wrap)
+        self.capture, self.wrap = self.steps.capture, wrap
         self.kv_buckets = kv_buckets(cache.num_rows)
-        self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < cache.num_slots) + (
-            cache.num_slots,
-        )
-        self.keys_seen: list[StepKey] = []
-        self._functions: dict[StepKey, StepFunction] = {}
-        self._graphs: dict[StepKey, _Captured] = {}
-        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.batch_buckets = window_buckets(cache.num_slots)
         self._window = torch.arange(cache.num_slots, device=self.device)
+
+    @property
+    def keys_seen(self) -> list[StepKey]:
+        return self.steps.keys_seen  # type: ignore[return-value]
+
+    @property
+    def _graphs(self) -> dict:
+        return self.steps._graphs
 
     def key_for(self, max_slot: int, max_nodes: int) -> StepKey:
         """The bucket of a step whose highest slot is ``max_slot`` and largest tree has
@@ -185,19 +266,8 @@ class StaticStep:
         longest = int(self.cache.lengths[:batch].max())
         return StepKey(batch, rows, bucket(longest + rows, self.kv_buckets))
 
-    @torch.inference_mode()
     def run(self, key: StepKey, inputs: StepInputs) -> StepOutputs:
-        if key not in self._functions:
-            self.keys_seen.append(key)
-            self._functions[key] = self._function(key)
-        function = self._functions[key]
-        if not self.capture:
-            moved = (t.to(self.device) for t in _fields(inputs))
-            return StepOutputs(*function(*moved))
-        graph = self._graphs.get(key)
-        if graph is None:
-            graph = self._graphs[key] = _Captured(function, inputs, self.device, self._pool)
-        return StepOutputs(*graph.replay(inputs))
+        return StepOutputs(*self.steps.run(key, _fields(inputs)))
 
     def _function(self, key: StepKey) -> StepFunction:
         model, cache, window = self.model, self.cache, self._window[: key.batch]
@@ -207,7 +277,12 @@ class StaticStep:
                 model, cache, window, key.kv_len, tokens, positions, lengths, tree_mask
             )
 
-        return self.wrap(step) if self.wrap is not None else step
+        return step
+
+
+def window_buckets(num_slots: int) -> tuple[int, ...]:
+    """``BATCH_BUCKETS`` below ``num_slots``, then ``num_slots``: the windows a cache has."""
+    return tuple(b for b in BATCH_BUCKETS if b < num_slots) + (num_slots,)
 
 
 def window_inputs(

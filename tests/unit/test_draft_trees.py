@@ -9,6 +9,7 @@ The references below are the replaced code, copied verbatim but for names and fo
 from __future__ import annotations
 
 import random
+from functools import partial
 
 import pytest
 import torch
@@ -215,7 +216,10 @@ def reference_build_subtree(logits, root_token, top_k, info_table, hot_ids, hot_
 # -- comparison ----------------------------------------------------------------------------
 
 
-def assert_same_tree(tree: TokenTree, ref: ReferenceTree) -> None:
+def assert_same_tree(tree: TokenTree, ref: ReferenceTree, exact: bool = True) -> None:
+    """``exact``: bit-identical probabilities (else to float32 rounding: the same tokens
+    from a forward that reads the KV in another order)."""
+    same = torch.equal if exact else partial(torch.allclose, rtol=1e-5, atol=1e-7)
     assert tree.scheme is DraftScheme.TOPK
     assert torch.equal(tree.tokens, ref.tokens)
     assert torch.equal(tree.parents, ref.parents)
@@ -223,8 +227,8 @@ def assert_same_tree(tree: TokenTree, ref: ReferenceTree) -> None:
         assert tree.draft_token_probs is None
     else:
         assert tree.draft_token_probs.dtype == ref.draft_token_probs.dtype
-        assert torch.equal(tree.draft_token_probs, ref.draft_token_probs)
-    assert torch.equal(tree.log_joint, ref.log_joint)
+        assert same(tree.draft_token_probs, ref.draft_token_probs)
+    assert same(tree.log_joint, ref.log_joint)
     assert torch.equal(tree.depths, ref.depths)
     assert torch.equal(tree.attention_mask(), ref.ancestors)
     assert all(tree.children(i) == ref.children[i] for i in range(tree.num_nodes))
@@ -252,7 +256,11 @@ def recording_masks(drafter: EagleDrafter) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize(
     "seed, generic",
-    [(seed, False) for seed in range(24)] + [(seed, True) for seed in range(6)],
+    # generic: even seeds only. Odd seeds repeat hot tokens, so sibling nodes tie exactly in
+    # exact arithmetic, and which one ranks first is then float rounding: the generic path's
+    # device steps attend as a captured step does (grouped heads over a KV bucket), the
+    # reference as eager attention over the rows in use, and they may round the other way
+    [(seed, False) for seed in range(24)] + [(seed, True) for seed in range(0, 12, 2)],
 )
 def test_dynamic_tree_equals_per_node_builder(seed: int, generic: bool) -> None:
     """Random heads (hot vocabularies with repeated tokens, so equal logits tie), budgets,
@@ -281,10 +289,17 @@ def test_dynamic_tree_equals_per_node_builder(seed: int, generic: bool) -> None:
         with torch.inference_mode():
             refs = reference_grow(drafter, [drafter._seqs[s] for s in range(batch)])
         assert len(new_masks) == len(masks) == budget.depth - 1
-        assert all(torch.equal(a, b) for a, b in zip(new_masks, masks, strict=True))
+        # the device steps read a KV bucket (``static_draft``): the reference's columns, then
+        # columns nobody may attend to
+        assert all(
+            torch.equal(a[..., : b.shape[-1]], b) and not a[..., b.shape[-1] :].any()
+            for a, b in zip(new_masks, masks, strict=True)
+        )
         masks.clear()
         for tree, ref in zip(trees, refs, strict=True):
-            assert_same_tree(tree, ref)
+            # the generic path's device steps attend as the captured step does (grouped
+            # heads over a KV bucket), the reference as eager attention over the rows in use
+            assert_same_tree(tree, ref, exact=not generic)
         steps = []
         for s, tree in enumerate(trees):
             accepted = tree.path_to(rng.randrange(tree.num_nodes))

@@ -1,11 +1,14 @@
 """``bench.graph_check`` in CI: the target's step traces without a break or a recompile in
 every bucket it meets over 200 verifications, and its verdicts equal the eager forward's;
-the check itself fails when the step syncs with the host."""
+the check itself fails when the step syncs with the host. The same for the learned drafters'
+steps (EAGLE-2, Lyanna): traced per bucket, their trees equal their eager runs', and a host
+sync planted in one is named."""
 
 from __future__ import annotations
 
 import pytest
 
+import lyanna.drafters.static_draft as static_draft
 import lyanna.model.static_step as static_step
 from bench import graph_check
 
@@ -39,3 +42,43 @@ def test_a_host_sync_in_the_step_is_named(model, monkeypatch) -> None:
     assert result.graph_breaks >= 1 and not result.ok
     assert result.first_break is not None and "data-dependent" in result.first_break
     assert graph_check.main(["--steps", "3"]) == 1
+
+
+@pytest.mark.parametrize("method", graph_check.DRAFTERS)
+def test_each_drafter_step_is_graph_ready_and_equals_its_eager_run(model, method) -> None:
+    """The learned drafters' device steps, traced per bucket, over many engine steps (the
+    bench runs 200; 80 here keep CI short and still cross window and KV buckets)."""
+    result, trees = graph_check.check_drafter(model, method, steps=80, seed=0)
+    assert result.first_break is None
+    assert result.graph_breaks == 0 and result.recompiles == 0
+    assert result.mismatches == 0 and result.steps == 80 and trees >= 150
+    assert len({fields[0] for fields in result.buckets}) >= 2  # windows
+    assert len({fields[-1] for fields in result.buckets if len(fields) == 4}) >= 2  # KV
+
+
+def test_a_host_sync_in_a_drafter_step_is_named(model, monkeypatch) -> None:
+    hot_children = static_draft.hot_children
+
+    def syncing(lm_head, hot_vocab, states, k):
+        if float(states.abs().max()) < 0:  # a host read of a device value
+            raise AssertionError("unreachable")
+        return hot_children(lm_head, hot_vocab, states, k)
+
+    monkeypatch.setattr(static_draft, "hot_children", syncing)
+    result, _ = graph_check.check_drafter(model, "eagle", steps=3, seed=1)
+    assert result.graph_breaks >= 1 and not result.ok
+    assert result.first_break is not None and "data-dependent" in result.first_break.lower()
+
+
+def test_a_host_sync_in_the_lyanna_tree_is_named(model, monkeypatch) -> None:
+    device_subtrees = static_draft.device_subtrees
+
+    def syncing(logits, roots_hot, top_k, info_table):
+        if bool((roots_hot < 0).all()):  # a branch on a device value: read on the host
+            info_table = None
+        return device_subtrees(logits, roots_hot, top_k, info_table)
+
+    monkeypatch.setattr(static_draft, "device_subtrees", syncing)
+    result, _ = graph_check.check_drafter(model, "lyanna", steps=3, seed=1)
+    assert result.graph_breaks >= 1 and not result.ok
+    assert result.first_break is not None and "data-dependent" in result.first_break.lower()
