@@ -87,14 +87,24 @@ def device_subtrees(
     (node i + 1 of the tree is column i: the root is left out). The same row arithmetic,
     ``draw_children``'s softmax and top-k, and the same float64 joint probabilities, so
     the same nodes; ``lyanna.drafters.static_draft`` runs it inside Lyanna's draft step."""
-    B = logits.shape[0]
+    B, steps = logits.shape[:2]
     device = logits.device
+    if top_k == 1:  # a chain (the 4-bit CPU default): ``_greedy_chains``'s few ops per step
+        hot, columns, probs = roots_hot[:, None], [], []
+        for step in range(steps):
+            rows = _with_token_info(logits[:, step, None].float(), hot, info_table, step == 0)
+            top = rows.softmax(-1).topk(1, dim=-1)  # [B, 1, 1]
+            hot = top.indices[:, 0]
+            columns.append(hot)
+            probs.append(top.values[:, 0])
+        parents = torch.arange(steps, device=device).expand(B, steps)
+        return torch.cat(columns, 1), parents, torch.cat(probs, 1)
     frontier = torch.zeros(B, 1, dtype=torch.int64, device=device)  # [B, f] node indices
     frontier_log_joint = torch.zeros(B, 1, dtype=torch.float64, device=device)
     frontier_hot = roots_hot[:, None]  # [B, f] hot rows of frontier tokens
     columns, parents, probs = [], [], []
     num_nodes = 1
-    for step in range(logits.shape[1]):
+    for step in range(steps):
         rows = logits[:, step, None].expand(-1, frontier.shape[1], -1).float()
         rows = _with_token_info(rows, frontier_hot, info_table, first=step == 0)
         top = rows.softmax(-1).topk(top_k, dim=-1)  # [B, f, k]
