@@ -10,6 +10,7 @@ WORKDIR /build
 COPY pyproject.toml README.md ./
 COPY lyanna lyanna
 COPY gateway gateway
+COPY remote_engine remote_engine
 COPY services services
 RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
     && pip install --no-cache-dir . \

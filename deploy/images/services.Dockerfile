@@ -19,6 +19,7 @@ WORKDIR /build
 COPY pyproject.toml README.md ./
 COPY lyanna lyanna
 COPY gateway gateway
+COPY remote_engine remote_engine
 COPY services services
 RUN pip install --no-cache-dir --index-url "$TORCH_INDEX" torch==2.13.0 \
     && pip install --no-cache-dir . \

@@ -8,7 +8,17 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("lyanna", "gateway", "services", "training", "bench", "loadtests", "deploy", "tests")
+PACKAGES = (
+    "lyanna",
+    "gateway",
+    "remote_engine",
+    "services",
+    "training",
+    "bench",
+    "loadtests",
+    "deploy",
+    "tests",
+)
 
 
 def module_name(path: Path) -> str:
