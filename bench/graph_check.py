@@ -14,13 +14,14 @@ Drafters: EAGLE-2 and Lyanna, random weights next to the same target, each as tw
 in lockstep over ``--steps`` engine steps (random prompts, batches and releases as above; the
 target verifies the first drafter's trees and both learn the same verifications): one runs
 its device steps (``lyanna.drafters.static_draft``) eagerly, the other traced per bucket as
-above. Their trees must be equal token for token.
+above. Their trees must be equal token for token. Each drafter runs twice: top-3 trees of
+depth 4, and top-1 chains of depth 3 (the path a 4-bit CPU target's budgets take).
 
 Prints one line per bucket (target, then each drafter's), then
 
     graph-ready: N buckets, 0 graph breaks, 0 recompiles
     traced = eager: S steps, V verdicts, 0 mismatches
-    drafters traced = eager: S steps, T trees, 0 mismatches
+    <drafter> top-<k> traced = eager: S steps, T trees, 0 mismatches
 
 and exits 1 on any break (naming the first), recompile (a bucket compiled twice) or mismatch.
 
@@ -171,7 +172,8 @@ def _fresh_dynamo() -> None:
 
 
 DRAFTERS = ("eagle", "lyanna")
-DRAFT_BUDGET = DraftBudget(depth=4, top_k=3, max_tokens=16)
+DRAFT_BUDGET = DraftBudget(depth=4, top_k=3, max_tokens=16)  # trees
+CHAIN_BUDGET = DraftBudget(depth=3, top_k=1, max_tokens=3)  # chains (a 4-bit CPU's top-1 path)
 
 
 def random_drafter(
@@ -269,13 +271,17 @@ def lockstep(
 
 
 def check_drafter(
-    model: Transformer, method: str, steps: int = 200, seed: int = 0
+    model: Transformer,
+    method: str,
+    steps: int = 200,
+    seed: int = 0,
+    budget: DraftBudget = DRAFT_BUDGET,
 ) -> tuple[CheckResult, int]:
     """One learned drafter's device steps traced per bucket against the same steps run
     eagerly, in lockstep (``lockstep``); returns the result and the trees compared."""
     _fresh_dynamo()
-    eager = random_drafter(method, model, seed)
-    traced_drafter = random_drafter(method, model, seed)
+    eager = random_drafter(method, model, seed, budget)
+    traced_drafter = random_drafter(method, model, seed, budget)
     make = eagle_steps if method == "eagle" else lyanna_steps
     traced_drafter.steps = make(traced_drafter, capture=False, wrap=traced)
     with one_thread():
@@ -310,9 +316,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = sorted(result.buckets)
     print("target verify step")
     print_table(["batch", "rows", "kv_len"], [list(r) for r in rows])
-    drafted = {m: check_drafter(model, m, args.steps, args.seed) for m in DRAFTERS}
-    for method, (drafter, _) in drafted.items():
-        print(f"\n{method} draft steps")
+    drafted = {
+        (method, budget.top_k): check_drafter(model, method, args.steps, args.seed, budget)
+        for budget in (DRAFT_BUDGET, CHAIN_BUDGET)
+        for method in DRAFTERS
+    }
+    for (method, k), (drafter, _) in drafted.items():
+        print(f"\n{method} draft steps, top-{k}")
         print_table(
             ["step", "batch", "shape", "kv_len"],
             [_bucket_row(method, fields) for fields in sorted(drafter.buckets)],
@@ -330,9 +340,9 @@ def main(argv: list[str] | None = None) -> int:
         f"traced = eager: {result.steps} steps, {result.verdicts} verdicts, "
         f"{result.mismatches} mismatches"
     )
-    for method, (drafter, trees) in drafted.items():
+    for (method, k), (drafter, trees) in drafted.items():
         print(
-            f"{method} traced = eager: {drafter.steps} steps, {trees} trees, "
+            f"{method} top-{k} traced = eager: {drafter.steps} steps, {trees} trees, "
             f"{drafter.mismatches} mismatches"
         )
     return 0 if all(r.ok for r in everything) else 1

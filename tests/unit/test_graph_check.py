@@ -56,6 +56,15 @@ def test_each_drafter_step_is_graph_ready_and_equals_its_eager_run(model, method
     assert len({fields[-1] for fields in result.buckets if len(fields) == 4}) >= 2  # KV
 
 
+@pytest.mark.parametrize("method", graph_check.DRAFTERS)
+def test_each_drafter_chain_step_is_graph_ready(model, method) -> None:
+    """Top-1 chains take their own path inside the steps: traced too."""
+    budget = graph_check.CHAIN_BUDGET
+    result, trees = graph_check.check_drafter(model, method, steps=30, seed=2, budget=budget)
+    assert result.ok and result.first_break is None and result.steps == 30 and trees >= 30
+    assert all(fields[1 if method == "eagle" else 2] == 1 for fields in result.buckets)
+
+
 def test_a_host_sync_in_a_drafter_step_is_named(model, monkeypatch) -> None:
     hot_children = static_draft.hot_children
 
