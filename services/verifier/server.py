@@ -181,7 +181,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             return None
         if self.runner.num_committed(job.seq_id) != last.result.ref.num_committed:
             return None  # (committed since: a stale ref, refused by ``_check_ref``)
-        log.info("sequence %d: the step at %d is retried", job.seq_id, job.num_committed)
+        seq_id, before = job.seq_id, job.num_committed
+        log.info("sequence %d: the step at %d is retried; answered again", seq_id, before)
         return last
 
     def _check_ref(self, job: codec.VerifyJob) -> None:
