@@ -5,6 +5,11 @@ the dtype against a whitelist, the rank and element count against bounds and the
 against the shape before a single byte becomes a tensor. Token trees travel as tokens and
 parent pointers (``TokenTree.__post_init__`` re-checks the structure); every malformed message
 raises ``WireError`` (a ``ValueError``), which the servicers map to INVALID_ARGUMENT.
+
+This module is the gRPC edge: each servicer decodes its request here first (``decode_prefill``,
+``decode_verify``, ``decode_start``, ``decode_step``), before any lock, compute job or model
+call. Past it the servicers check only state (an unknown sequence, a committed length that
+disagrees) and the core asserts invariants.
 """
 
 from __future__ import annotations
