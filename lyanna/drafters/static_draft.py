@@ -31,9 +31,10 @@ sequences' CPU generators and keep the host path (``lyanna.drafters.sampled``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from torch import nn
 
 from lyanna.drafters.token_info_tree import device_subtrees
 from lyanna.model.kv_cache import KVCache
@@ -45,10 +46,30 @@ from lyanna.model.static_step import (
     window_buckets,
     window_context,
 )
+from lyanna.model.transformer import ForwardContext
 
-if TYPE_CHECKING:
-    from lyanna.drafters.dynamic_tree import DynamicTreeDrafter
-    from lyanna.drafters.lyanna import LyannaDrafter
+
+class TreeDrafter(Protocol):
+    """What EAGLE-2's steps read of a drafter (``dynamic_tree.DynamicTreeDrafter``)."""
+
+    cache: KVCache
+    hot_vocab: torch.Tensor  # [num_hot] int64
+    lm_head: nn.Module
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
+    def _node_forward(
+        self, ctx: ForwardContext, parent_states: torch.Tensor, tokens: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class ChainDrafter(Protocol):
+    """What Lyanna's step reads of a drafter (``lyanna.LyannaDrafter``)."""
+
+    cache: KVCache
+    draft: nn.Module  # layer, out_norm and rotary tables (``LyannaDraftModel``)
+    lm_head: nn.Module
+    info_table: torch.Tensor | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +126,7 @@ def hot_children(
 
 
 def eagle_steps(
-    drafter: DynamicTreeDrafter,
+    drafter: TreeDrafter,
     capture: bool | None = None,
     wrap=None,
 ) -> CapturedSteps:
@@ -129,7 +150,7 @@ def eagle_steps(
 
 
 def _depth_step(
-    drafter: DynamicTreeDrafter,
+    drafter: TreeDrafter,
     window: torch.Tensor,
     key: DepthKey,
     hot_vocab: torch.Tensor,
@@ -187,7 +208,7 @@ def _depth_step(
     return depth_step
 
 
-def lyanna_steps(drafter: LyannaDrafter, capture: bool | None = None, wrap=None) -> CapturedSteps:
+def lyanna_steps(drafter: ChainDrafter, capture: bool | None = None, wrap=None) -> CapturedSteps:
     """Lyanna's chain-and-tree step for ``drafter``."""
     draft = drafter.draft
     device = draft.rope_cos.device
