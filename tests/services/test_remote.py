@@ -135,23 +135,34 @@ def test_quiet_steps_skip_the_drafter_and_share_verify_calls(tiny_model_dir, tin
     assert backend.num_verify_calls * 2 < len(steps)
 
 
-def test_invalid_requests_are_refused_before_admission(ngram_services) -> None:
-    async def refused(prompt: list[int], max_tokens: int, method: str | None = None) -> str:
-        backend = RemoteBackend(config_for(ngram_services), frozenset(), lambda ids: "")
-        await backend.start()
-        request = GenerationRequest("x", prompt, SamplingParams(max_tokens=max_tokens), method)
+def test_invalid_requests_fail_alone_past_the_http_edge(ngram_services) -> None:
+    """The HTTP intake validates requests (tests/gateway); a Python caller that skips it meets
+    the scheduler's capacity refusal, and ids outside the vocabulary are refused at the
+    verifier's gRPC edge (the codec): either way that request fails without a token and the
+    next one is served."""
+
+    async def attempt(prompt: list[int], max_tokens: int) -> tuple[list[int], str | None]:
+        request = GenerationRequest("x", prompt, SamplingParams(max_tokens=max_tokens))
+        tokens: list[int] = []
         try:
-            async for _ in backend.generate(request):
-                raise AssertionError("an invalid request produced tokens")
-        except ValueError as error:
-            return str(error)
+            async for delta in backend.generate(request):
+                tokens += delta.token_ids
+        except Exception as error:  # noqa: BLE001 - the test reads the refusal
+            return tokens, f"{type(error).__name__}: {error}"
+        return tokens, None
+
+    async def run() -> list[tuple[list[int], str | None]]:
+        await backend.start()
+        try:
+            return [await attempt(p, n) for p, n in (([1, 2], 10_000), ([1, 99], 4), ([1, 2], 4))]
         finally:
             await backend.stop()
-        raise AssertionError("no error")
 
-    assert "[0, 16)" in asyncio.run(refused([1, 99], 4))
-    assert "exceeds" in asyncio.run(refused([1, 2], 10_000))
-    assert "unknown method" in asyncio.run(refused([1, 2], 4, "eagle"))
+    backend = RemoteBackend(config_for(ngram_services), frozenset(), lambda ids: "")
+    too_long, out_of_vocab, good = asyncio.run(run())
+    assert too_long[0] == [] and "ValueError" in too_long[1] and "exceeds" in too_long[1]
+    assert out_of_vocab[0] == [] and "[0, 16)" in out_of_vocab[1]
+    assert good[1] is None and len(good[0]) == 4
 
 
 @pytest.mark.parametrize("pipeline", [True, False], ids=["async", "sync"])
