@@ -44,6 +44,14 @@ class TrainConfig:
     # Lyanna, smooth-L1 for EAGLE); Gaussian noise of this std added to the target states the
     # drafter reads (EAGLE's feature noise; 0 = none)
     init_from_target: bool = True
+    # Lyanna's fc start: "identity" = h0 + E(t1) (the embedding row is ~14x smaller than the
+    # post-norm state, so the token is drowned), "balanced" = h0 + c E(t1) with
+    # c = rms(final norm weight) / rms(embedding), "random" = nn.Linear's init (EAGLE's)
+    fc_init: str = "identity"
+    out_norm: bool = True  # Lyanna ablation: False = no RMSNorm on the layer's output
+    # Lyanna: weight of a second cross-entropy on the hidden state alone (logits without the
+    # token-info bias), so the state itself must carry the next token (0 = off)
+    state_ce_weight: float = 0.0
     regression_loss: str = ""
     feature_noise: float = 0.0
     # bookkeeping
@@ -76,6 +84,10 @@ class TrainConfig:
             raise ValueError("info_parents must be teacher or drafted")
         if self.regression_loss not in ("", "mse", "smooth_l1"):
             raise ValueError("regression_loss must be '', mse or smooth_l1")
+        if self.fc_init not in ("identity", "balanced", "random"):
+            raise ValueError("fc_init must be identity, balanced or random")
+        if self.state_ce_weight < 0:
+            raise ValueError("state_ce_weight must be >= 0")
         if self.feature_noise < 0:
             raise ValueError("feature_noise must be >= 0")
         if self.hot_vocab_tokens not in ("answers", "all"):

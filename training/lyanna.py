@@ -39,11 +39,22 @@ class LyannaTrainModel(nn.Module):
             chain_steps=config.unroll_steps,
             use_token_info=config.token_info,
             fuse_first_token=config.fuse_first_token,
+            out_norm=config.out_norm,
         )
         model = cls(LyannaDraftModel(draft_config, target.embedding, target.hot_vocab), config)
         state = default_target_state(target_config) if config.init_from_target else None
         if state is not None:
             model.init_from_target(state)
+        fc = model.draft.fc
+        if config.fc_init == "random":
+            fc.reset_parameters()
+        elif config.fc_init == "balanced":
+            norm = state["model.norm.weight"].float() if state is not None else None
+            scale = 1.0 if norm is None else float(norm.pow(2).mean().sqrt())
+            c = scale / float(target.embedding.pow(2).mean().sqrt())
+            with torch.no_grad():
+                eye = torch.eye(fc.weight.shape[0])
+                fc.weight.copy_(torch.cat([eye, c * eye], dim=1))
         return model
 
     def init_from_target(self, target_state: dict[str, torch.Tensor]) -> None:
@@ -73,6 +84,7 @@ class LyannaTrainModel(nn.Module):
             drafted_parents=self.train_config.info_parents == "drafted",
             regression=self.train_config.regression_loss or "mse",
             feature_noise=self.train_config.feature_noise if self.training else 0.0,
+            state_ce=self.train_config.state_ce_weight,
         )
 
     def export(self) -> dict[str, torch.Tensor]:
@@ -110,6 +122,7 @@ def draft_loss(
     drafted_parents: bool = False,
     regression: str = "mse",
     feature_noise: float = 0.0,
+    state_ce: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """alpha * MSE(h, H) + beta * CE(softmax(l'), softmax(L)) averaged over the chain steps.
 
@@ -123,7 +136,8 @@ def draft_loss(
     a CPU and the answers are what the drafter must predict.
 
     Ablations: ``regression="smooth_l1"`` (EAGLE's) in place of the MSE; ``feature_noise``
-    adds Gaussian noise of that std to the target states the chain reads (not its targets)."""
+    adds Gaussian noise of that std to the target states the chain reads (not its targets);
+    ``state_ce`` weighs a second cross-entropy of the state alone (no token-info bias)."""
     steps = steps or model.config.chain_steps
     T = hidden.shape[1]
     weight = loss_mask.float()
@@ -157,6 +171,9 @@ def draft_loss(
                            token_info_factors(model, parents))  # fmt: skip
         ce = out.loss / max(1, rows.shape[0])
         total = total + alpha * mse + beta * ce
+        if state_ce:
+            alone = fused_hot_ce(rows, head, targets, torch.ones_like(parents, dtype=torch.float32))
+            total = total + state_ce * alone.loss / max(1, rows.shape[0])
         with torch.no_grad():
             best = out.target_argmax[:, None]
             metrics[f"mse{i}"] = float(mse.detach())

@@ -35,6 +35,9 @@ class LyannaDraftConfig:
     chain_steps: int = 5  # N: hidden states per draft chain
     use_token_info: bool = True  # ablation: "w/o token info"
     fuse_first_token: bool = True  # ablation: "w/o first token" (h1 = Layer(h0))
+    # ablation (issue 41, training and training.evaluate only; the serving drafter always
+    # applies out_norm): False feeds the layer's raw residual output on, as EAGLE does
+    out_norm: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.num_hot <= self.target.vocab_size:
@@ -130,7 +133,8 @@ class LyannaDraftModel(nn.Module):
         for i in range(steps):
             mask = torch.cat([causal] + [diag] * i, dim=1)  # [T-1, (i+1)(T-1)]
             ctx = _training_context(store, positions + i, mask, self.rope_cos, self.rope_sin)
-            y = self.out_norm(self.layer(x, ctx, 0))
+            y = self.layer(x, ctx, 0)
+            y = self.out_norm(y) if self.config.out_norm else y
             outputs.append(y)
             x = y
         return outputs
