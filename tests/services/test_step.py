@@ -271,8 +271,12 @@ def test_a_gated_drafter_learns_what_its_route_to_the_verifier_costs(
     the verifier's forward) plus the caller's hop here (``caller_hop_seconds``; until the
     caller has measured one, taken as the same again). With rows nearly free and a 2 ms step,
     a 50 ms hop to the verifier or a 100 ms hop from the caller makes even a draft accepted
-    whole a loss, so the gate stops; hops of nothing keep it drafting."""
-    cheap_rows = VerifyCost((1, 2, 32), (0.002, 0.00201, 0.0026))
+    whole a loss, so the gate stops; hops of nothing keep it drafting. (That case steps in
+    20 ms: what it measures as hops and draft time is the host's noise, some milliseconds on
+    a loaded 2-core machine, which must not decide it.)"""
+    expected = 2 * delay + caller_hop  # (no caller hop measured: the verifier hop twice)
+    step = 0.002 if expected else 0.02
+    cheap_rows = VerifyCost((1, 2, 32), (step, step + 0.00001, step + 0.0006))
     gate = DraftGate(cheap_rows, GateConfig(prior=2.0))
     drafter = GatedDrafter(NgramDrafter(NGRAM.shape()), gate)
     servicer, target, _, root = setup(drafter, 7, [1, 2, 3, 1, 2, 3, 1, 2], False)
@@ -282,12 +286,11 @@ def test_a_gated_drafter_learns_what_its_route_to_the_verifier_costs(
     assert drafted.WhichOneof("event") == "drafted"
     assert last.response.handled_seconds >= delay  # the verifier's hop is the drafter's time
     assert step_source(drafter, 7) == "method"  # drafted (prior 2.0 pays), so it learned
-    expected = 2 * delay + caller_hop  # (no caller hop measured: the verifier hop twice)
     if expected:
         assert gate.route_seconds >= GateConfig().alpha * expected
         assert not gate.could_pay(7, batch=1)
     else:
-        assert gate.route_seconds < 0.005
+        assert gate.route_seconds < GateConfig().alpha * 2 * 0.025  # far under the 50 ms case
         assert gate.could_pay(7, batch=1)
 
 
