@@ -60,7 +60,9 @@ class EagleDrafter(DynamicTreeDrafter):
         sample_drafts: bool = True,  # at T > 0: children drawn without replacement
         weight_dtype: torch.dtype | str | None = "auto",  # "auto": see DraftPlacement.of
         generic: bool = False,  # the device-generic path on the CPU too (tests)
-        device_steps: bool = True,  # top-k trees through static_draft's steps (False: host)
+        device_steps: bool | None = None,  # top-k trees through static_draft's steps
+        #   (False: the host loop; None: where the draft runs the device-generic path, as a
+        #   GPU does, while the CPU's fast paths keep the host loop, faster there: measured)
     ) -> None:
         self.budget = budget or DraftBudget()
         self._init_sampling(sample_drafts)
@@ -88,7 +90,7 @@ class EagleDrafter(DynamicTreeDrafter):
         spare = (self.budget.depth - 1) * self.budget.top_k
         self.cache = KVCache(config, max_running, max_len, place.dtype, place.device, spare)
         self._seqs: dict[int, _DraftState] = {}
-        self.device_steps = device_steps
+        self.device_steps = place.generic if device_steps is None else device_steps
 
     # -- Drafter protocol --------------------------------------------------------------
 

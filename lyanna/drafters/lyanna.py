@@ -89,12 +89,14 @@ class LyannaDrafter(SampledDrafting):
         weight_dtype: torch.dtype | str | None = "auto",  # "auto": see DraftPlacement.of
         sample_drafts: bool = True,  # at T > 0: children drawn without replacement
         generic: bool = False,  # the device-generic path on the CPU too (tests)
-        device_steps: bool = True,  # top-k trees through static_draft's step (False: host)
+        device_steps: bool | None = None,  # top-k trees through static_draft's steps
+        #   (False: the host loop; None: where the draft runs the device-generic path, as a
+        #   GPU does, while the CPU's fast paths keep the host loop, faster there: measured)
     ) -> None:
         self.draft = draft.eval()
-        self.device_steps = device_steps
         self._steps: CapturedSteps | None = None
         self.placement = place = DraftPlacement.of(target, weight_dtype, generic)
+        self.device_steps = place.generic if device_steps is None else device_steps
         # the hot maps build trees and index their rows: CPU bookkeeping on every device
         self.hot_ids, self.hot_index = draft.hot_ids.cpu(), draft.hot_index.cpu()
         if place.generic:  # plain modules on the target's device (the table from fp32 weights)

@@ -20,7 +20,7 @@ def model():
 
 def _pair(method: str, model, budget: DraftBudget, generic: bool, seed: int = 3):
     host = random_drafter(method, model, seed, budget, generic=generic, device_steps=False)
-    device = random_drafter(method, model, seed, budget, generic=generic)
+    device = random_drafter(method, model, seed, budget, generic=generic, device_steps=True)
     return host, device
 
 
