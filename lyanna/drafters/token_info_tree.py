@@ -62,15 +62,12 @@ def build_subtrees(
         children = draw_children(rows, top_k, draws, log_space=False).to_host()  # [B, f, k]
         sampled.add(children, frontier, frontier_log_joint)
         child_probs, child_cols = children.values, children.columns
-        log_joint = (frontier_log_joint[..., None] + child_probs.double().log()).flatten(1)
         tokens.append(hot_ids[child_cols].flatten(1))
         parents.append(frontier.repeat_interleave(top_k, dim=1))
         probs.append(child_probs.flatten(1))
-        keep = log_joint.topk(min(top_k, log_joint.shape[1]), dim=-1).indices  # [B, f']
-        frontier = num_nodes + keep
-        num_nodes += log_joint.shape[1]
-        frontier_log_joint = log_joint.gather(1, keep)
-        frontier_hot = child_cols.flatten(1).gather(1, keep)
+        frontier, frontier_log_joint, frontier_hot, num_nodes = _next_frontier(
+            frontier_log_joint, child_probs, child_cols, num_nodes, top_k
+        )
     columns = (torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(probs, 1))
     nodes = [DraftNodes(*row) for row in zip(*(c.tolist() for c in columns), strict=True)]
     return sampled.attach(nodes, hot_ids)
@@ -109,16 +106,29 @@ def device_subtrees(
         rows = _with_token_info(rows, frontier_hot, info_table, first=step == 0)
         top = rows.softmax(-1).topk(top_k, dim=-1)  # [B, f, k]
         child_probs, child_cols = top.values, top.indices
-        log_joint = (frontier_log_joint[..., None] + child_probs.double().log()).flatten(1)
         columns.append(child_cols.flatten(1))
         parents.append(frontier.repeat_interleave(top_k, dim=1))
         probs.append(child_probs.flatten(1))
-        keep = log_joint.topk(min(top_k, log_joint.shape[1]), dim=-1).indices  # [B, f']
-        frontier = num_nodes + keep
-        num_nodes += log_joint.shape[1]
-        frontier_log_joint = log_joint.gather(1, keep)
-        frontier_hot = child_cols.flatten(1).gather(1, keep)
+        frontier, frontier_log_joint, frontier_hot, num_nodes = _next_frontier(
+            frontier_log_joint, child_probs, child_cols, num_nodes, top_k
+        )
     return torch.cat(columns, 1), torch.cat(parents, 1), torch.cat(probs, 1)
+
+
+def _next_frontier(
+    frontier_log_joint: torch.Tensor,  # [B, f] float64
+    child_probs: torch.Tensor,  # [B, f, k] draft probabilities of each frontier node's children
+    child_cols: torch.Tensor,  # [B, f, k] their hot columns
+    num_nodes: int,  # nodes in the tree before these children
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The ``top_k`` new nodes of highest joint probability become the next frontier (node
+    indices, float64 joint log-probabilities, hot columns) after the ``f * k`` just added;
+    one rule for the host-built and the device-built trees."""
+    log_joint = (frontier_log_joint[..., None] + child_probs.double().log()).flatten(1)
+    keep = log_joint.topk(min(top_k, log_joint.shape[1]), dim=-1).indices  # [B, f']
+    hot = child_cols.flatten(1).gather(1, keep)
+    return num_nodes + keep, log_joint.gather(1, keep), hot, num_nodes + log_joint.shape[1]
 
 
 def _greedy_chains(
