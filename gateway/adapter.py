@@ -1,15 +1,12 @@
 """The asyncio adapter over the engine interface (``lyanna.engine.StepLoop``: submit, admit,
-step, abort), shared by both backends: the embedded one (``SpecEngine`` in this process) and
-the remote one (``remote_engine.RemoteEngine`` over the services).
+step, abort), shared by the embedded backend (``SpecEngine`` here) and the remote one
+(``remote_engine.RemoteEngine``).
 
-A single worker thread owns the engine (it is not thread-safe; torch and gRPC release the
-GIL, so the event loop stays responsive). The event loop talks to it only through a command
-queue (submit, abort, stop); the worker admits and steps the engine and hands every emitted
-delta to its request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe``. A request that
-waits for its first token longer than ``queue_timeout`` gets ``BackendBusy`` (429), as does
-one that finds ``max_waiting`` requests waiting. Closing a request's iterator early (client
-gone) aborts its sequence, which frees its KV slot and drafter state. A stop drains: the
-worker goes on until every request finished or ``drain_seconds`` passed.
+One worker thread owns the engine (not thread-safe; torch and gRPC release the GIL, so the
+event loop stays responsive) and hears from the loop only through a command queue. A request
+that waits for its first token past ``queue_timeout``, or finds ``max_waiting`` waiting, gets
+``BackendBusy`` (429). Closing a request's iterator early aborts its sequence (KV slot and
+drafter state freed). A stop drains for at most ``drain_seconds``.
 """
 
 from __future__ import annotations
@@ -36,6 +33,8 @@ from lyanna.sequence import Sequence
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_SECONDS = 0.05  # a worker with waiting requests it cannot admit yet looks again
+SETTLE_HOPS = 4  # event-loop turns ``settle`` waits for, at most SETTLE_SECONDS
+SETTLE_SECONDS = 0.01
 
 
 @dataclass(slots=True, eq=False)
@@ -43,11 +42,6 @@ class _Handle:
     sequence: Sequence  # its method names the drafter that serves it
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-
-
-@dataclass(frozen=True, slots=True)
-class _Submit:
-    handle: _Handle
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,9 +54,26 @@ class _Stop:
     deadline: float
 
 
+def settle(loop: asyncio.AbstractEventLoop) -> None:
+    """Wait briefly until ``loop`` ran what was just handed to it, so requests send their
+    tokens now, not while the next step's OpenMP team holds every core: a team waits at each
+    barrier for its slowest thread (2 cores, embedded, concurrency 1: 96 tokens/s on 2
+    threads without this, 190 on 1)."""
+    done = threading.Event()
+
+    def hop(left: int) -> None:  # each turn runs the tasks the previous one woke
+        loop.call_soon(hop, left - 1) if left else done.set()
+
+    try:
+        loop.call_soon_threadsafe(hop, SETTLE_HOPS)
+    except RuntimeError:  # the loop is closed
+        return
+    done.wait(SETTLE_SECONDS)
+
+
 class EngineBackend:
-    """``GenerationBackend`` over a ``StepLoop`` (see the module docstring). A backend builds
-    its engine (``_build``, in a thread) and says how a request becomes a ``Sequence``."""
+    """``GenerationBackend`` over a ``StepLoop``. A backend builds its engine (``_build``, in
+    a thread) and says how a request becomes a ``Sequence``."""
 
     supports_logprobs = True
     admit_limit: int | None = None  # sequences one ``engine.admit`` prefills; None = all
@@ -77,13 +88,9 @@ class EngineBackend:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._num_waiting = 0  # event loop only
         self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._crashed = False
-
-    # -- per backend ---------------------------------------------------------------------
+        self._stopping = self._crashed = False
 
     def _build(self) -> None:
-        """Build ``self.engine`` (in a thread; it may block)."""
         raise NotImplementedError
 
     def _close(self) -> None:
@@ -92,31 +99,25 @@ class EngineBackend:
     def _sequence(self, request: GenerationRequest, method: str) -> Sequence:
         raise NotImplementedError
 
-    @property
-    def vocab_size(self) -> int:
-        raise NotImplementedError
-
-    def _serves(self, method: str) -> bool:
-        """Whether ``method`` can serve now (worker thread)."""
+    def _serves(self, method: str) -> bool:  # worker thread
         return self.engine.serves(method)
 
     def _step_failed(self, err: Exception) -> None:
-        """An engine call raised: every running request fails (503) and is aborted."""
+        """An engine call raised: every request but the waiting ones fails (503), aborted."""
         logger.error("engine step failed", exc_info=err)
-        failure = BackendUnavailable("engine error (logged)")
         for seq_id in list(self.engine.running):
             self.engine.abort(seq_id)
-            handle = self._handles.pop(seq_id, None)
-            if handle is not None:
-                self._deliver(handle, failure)
+        waiting = {s.seq_id for s in self.engine.waiting}
+        for seq_id, handle in list(self._handles.items()):
+            if seq_id not in waiting:  # running, or waiting on a method the engine dropped
+                del self._handles[seq_id]
+                self._deliver(handle, BackendUnavailable("engine error (logged)"))
 
     def _stepped(self, loops: set[asyncio.AbstractEventLoop]) -> None:
         """A step's deltas went to these loops."""
 
     def _before_step(self) -> None:
         pass
-
-    # -- GenerationBackend ------------------------------------------------------------------
 
     async def start(self) -> None:
         await asyncio.to_thread(self._build)
@@ -140,24 +141,30 @@ class EngineBackend:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         if self._alive() != "ok":
             raise BackendUnavailable("the engine is not running")
-        method = request.method or self.default_method
-        # the HTTP intake validated the request (method, prompt ids); a Python caller that
-        # skips it still meets the engine's own refusals (unknown method, context) below
+        # a caller that skipped the HTTP intake still meets the engine's own refusals
         if self._num_waiting >= self.max_waiting:
             raise BackendBusy(f"{self._num_waiting} requests are already waiting")
-        sequence = self._sequence(request, method)
+        sequence = self._sequence(request, request.method or self.default_method)
         handle = _Handle(sequence, asyncio.get_running_loop(), asyncio.Queue())
         self._num_waiting += 1
         waiting, finished = True, False
-        self._commands.put(_Submit(handle))
+        self._commands.put(handle)
         try:
             while not finished:
-                item = await self._next(handle, waiting)
-                if isinstance(item, Exception):
-                    raise item
-                if waiting:
+                if waiting:  # the first delta: at most queue_timeout (then 429, aborted)
+                    try:
+                        item = await asyncio.wait_for(handle.queue.get(), self.queue_timeout)
+                    except TimeoutError:
+                        raise BackendBusy(
+                            f"no sequence slot became free within {self.queue_timeout:g} s; "
+                            "retry later"
+                        ) from None
                     self._num_waiting -= 1
                     waiting = False
+                else:
+                    item = await handle.queue.get()
+                if isinstance(item, Exception):
+                    raise item
                 finished = item.finish_reason is not None
                 yield item
         finally:
@@ -165,17 +172,6 @@ class EngineBackend:
                 self._num_waiting -= 1
             if not finished:
                 self._commands.put(_Abort(sequence.seq_id))
-
-    async def _next(self, handle: _Handle, waiting: bool) -> TokenDelta | Exception:
-        """The request's next delta; while it waits for its first one, at most
-        ``queue_timeout`` seconds (then BackendBusy, and the caller aborts the request)."""
-        if not waiting:
-            return await handle.queue.get()
-        timeout = self.queue_timeout
-        try:
-            return await asyncio.wait_for(handle.queue.get(), timeout)
-        except TimeoutError:
-            return BackendBusy(f"no sequence slot became free within {timeout:g} s; retry later")
 
     # -- worker thread ----------------------------------------------------------------------
 
@@ -190,7 +186,11 @@ class EngineBackend:
                     deadline = self._apply(command, deadline)
                 if deadline is not None and (not self._handles or time.monotonic() > deadline):
                     break
-                self._admit()
+                # prefill admit_limit at a time, streaming each first token at once
+                while self.engine.waiting and self._run(
+                    lambda: self.engine.admit(self.admit_limit)
+                ):
+                    pass
                 if self.engine.running:
                     self._before_step()
                     self._run(self.engine.step)
@@ -199,19 +199,16 @@ class EngineBackend:
             self._crashed = True
         self._stopping = True
         reason = BackendUnavailable("the engine stopped")
-        late = [c.handle for c in self._drain_commands(0) if isinstance(c, _Submit)]
+        late = [c for c in self._drain_commands(0) if isinstance(c, _Handle)]
         for seq_id, handle in list(self._handles.items()):
-            self._abort_quietly(seq_id)
+            try:
+                self.engine.abort(seq_id)
+            except Exception:  # leaving anyway: its slot goes with the services' leases
+                logger.exception("abort of %d failed", seq_id)
             self._deliver(handle, reason)
         for handle in late:
             self._deliver(handle, reason)
         self._handles.clear()
-
-    def _abort_quietly(self, seq_id: int) -> None:
-        try:
-            self.engine.abort(seq_id)
-        except Exception:  # leaving anyway: its slot goes with the services' leases
-            logger.exception("abort of %d failed", seq_id)
 
     def _drain_commands(self, wait: float) -> list:
         commands = []
@@ -223,32 +220,24 @@ class EngineBackend:
         except queue.Empty:
             return commands
 
-    def _apply(self, command, deadline: float | None) -> float | None:
+    def _apply(self, command: _Handle | _Abort | _Stop, deadline: float | None) -> float | None:
         if isinstance(command, _Stop):
             return command.deadline
         if isinstance(command, _Abort):
             if self._handles.pop(command.seq_id, None) is not None:
                 self.engine.abort(command.seq_id)
             return deadline
-        handle = command.handle
-        method = handle.sequence.method
+        method = command.sequence.method
         if not self._serves(method):
-            self._deliver(handle, BackendUnavailable(f"method {method!r} is unavailable"))
+            self._deliver(command, BackendUnavailable(f"method {method!r} is unavailable"))
             return deadline
         try:
-            self.engine.submit(handle.sequence)
+            self.engine.submit(command.sequence)
         except ValueError as err:
-            self._deliver(handle, err)
+            self._deliver(command, err)
             return deadline
-        self._handles[handle.sequence.seq_id] = handle
+        self._handles[command.sequence.seq_id] = command
         return deadline
-
-    def _admit(self) -> None:
-        """Prefill waiting requests (``admit_limit`` at a time) while the engine admits any,
-        streaming each first token at once (rather than after a verification)."""
-        while self.engine.waiting:
-            if not self._run(lambda: self.engine.admit(self.admit_limit)):
-                return
 
     def _run(self, action: Callable[[], list[Emitted]]) -> list[Emitted]:
         """``engine.admit`` or ``engine.step``, then hand every emitted delta to its request."""
@@ -259,34 +248,25 @@ class EngineBackend:
             return []
         loops = set()
         for item in emitted:
-            handle = self._handles.get(item.sequence.seq_id)
+            seq_id = item.sequence.seq_id
+            handle = self._handles.get(seq_id)
             if handle is None:
                 continue
             loops.add(handle.loop)
-            if item.error is not None:
-                del self._handles[item.sequence.seq_id]
-                self._deliver(handle, self._failure(item.error))
+            if item.error is not None or item.finish_reason is not None:
+                del self._handles[seq_id]
+            if item.error is not None:  # its own fault (ValueError: 400) or unavailable (503)
+                error = item.error
+                if not isinstance(error, ValueError):
+                    error = BackendUnavailable(str(error))
+                self._deliver(handle, error)
                 continue
             step = None if item.verdict is None else StepFacts.of(item)
-            self._deliver(
-                handle,
-                TokenDelta(
-                    token_ids=item.tokens,
-                    finish_reason=item.finish_reason,
-                    step=step,
-                    prompt_tokens=len(item.sequence.prompt_ids) if step is None else 0,
-                    logprobs=item.logprobs,
-                ),
-            )
-            if item.finish_reason is not None:
-                del self._handles[item.sequence.seq_id]
+            prompt_tokens = len(item.sequence.prompt_ids) if step is None else 0
+            delta = TokenDelta(item.tokens, item.finish_reason, step, prompt_tokens, item.logprobs)
+            self._deliver(handle, delta)
         self._stepped(loops)
         return emitted
-
-    @staticmethod
-    def _failure(error: Exception) -> Exception:
-        """What the request raises: its own fault (ValueError: 400) or unavailable (503)."""
-        return error if isinstance(error, ValueError) else BackendUnavailable(str(error))
 
     @staticmethod
     def _deliver(handle: _Handle, item: TokenDelta | Exception) -> None:

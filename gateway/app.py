@@ -1,14 +1,11 @@
 """The OpenAI-compatible HTTP API (FastAPI): chat and text completions (streaming as SSE),
 models, health and Prometheus metrics, in front of any ``GenerationBackend``.
 
-The gateway owns the request lifecycle: it validates and tokenizes (``intake``), waits for the
-first delta before answering (so a full queue is a 429 and a dead backend a 503, never a
-broken stream), streams text with stop strings applied (``generation``), and records metrics.
-An ASGI guard in front of every route checks the API key (``LYANNA_API_KEYS``) on ``/v1/``,
-bounds the body size and counts every response by path and status code. The method of one
-request may be chosen with the ``X-Lyanna-Method`` header or the ``lyanna_method`` body field.
-Chat and text completions share one code path (``serve``); a ``Surface`` holds what differs.
-A client's ``X-Request-Id`` is echoed and carried by the response id (``chatcmpl-<id>``).
+A request is validated and tokenized (``intake``), then the route waits for its first delta
+before answering, so a full queue is a 429 and a dead backend a 503, never a broken stream.
+``Guard``, in front of every route, checks API keys and per-key limits on ``/v1/``, bounds
+the body and counts every response. ``X-Lyanna-Method`` or ``lyanna_method`` picks one
+request's method; a client's ``X-Request-Id`` is echoed and carried by the response id.
 """
 
 from __future__ import annotations
@@ -17,7 +14,6 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -26,32 +22,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from gateway.auth import KeyRing, StreamLimiter, TokenRateLimiter
-from gateway.backend import BackendBusy, GenerationBackend, TokenDelta
+from gateway.backend import BackendBusy, GenerationBackend
 from gateway.config import GatewayConfig
-from gateway.errors import (
-    APIError,
-    error_response,
-    install_error_handlers,
-    invalid,
-    stream_error,
-)
+from gateway.errors import APIError, error_response, install_error_handlers, invalid, stream_error
 from gateway.generation import ClientGone, Generation, unless_disconnected
-from gateway.intake import (
-    METHOD_HEADER,
-    REQUEST_ID_HEADER,
-    Prepared,
-    RequestBuilder,
-    request_id_of,
-)
+from gateway.intake import METHOD_HEADER, REQUEST_ID_HEADER, RequestBuilder, request_id_of
 from gateway.metrics import GatewayMetrics, RequestTracker
 from gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
-    chat_chunk,
     chat_logprobs,
-    chat_response,
     completion_logprobs,
-    completion_response,
+    response,
     usage,
 )
 from gateway.text import TextStream, make_detokenize
@@ -63,29 +45,13 @@ METHOD_STATE = "lyanna_method"  # the request's method once the intake chose it 
 SERVING_STATES = ("degraded:", "fallback:")
 
 
-@dataclass(frozen=True, slots=True)
-class Surface:
-    """What the chat and text completion routes do differently: the id prefix and the
-    shapes of a whole answer and of each stream chunk (``with_usage``: chunks carry a
-    ``usage`` field; ``lp``: a chat ``logprobs`` object or None)."""
-
-    prefix: str
-    logprobs: Callable[[list, int], tuple[dict, int]]  # (entries, offset) -> (body, offset)
-    whole: Callable[[str, str, str, dict, dict | None], dict]
-    opening: Callable[[str, bool], list[dict]]
-    piece: Callable[[str, str, bool, dict | None], dict]
-    final: Callable[[str, str | None, bool, dict | None], dict]
-    usage_only: Callable[[str, dict], dict]
-
-
 def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
 class Guard:
-    """ASGI middleware: API keys on ``/v1/`` routes (and ``/metrics`` when configured), each
-    key's requests in flight and tokens per minute bounded, a bound on request body bytes,
-    and every response counted by path and status code (its own refusals included)."""
+    """ASGI middleware: API keys on ``/v1/`` (and ``/metrics`` when configured), each key's
+    requests in flight and tokens per minute, request body bytes; counts every response."""
 
     def __init__(
         self, app, config: GatewayConfig, tokens: TokenRateLimiter, metrics: GatewayMetrics
@@ -99,66 +65,46 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        state = scope.setdefault("state", {})  # shared with the routes (METHOD_STATE)
+        state = scope.setdefault("state", {})  # shared with the routes
 
         async def counted(message) -> None:
             if message["type"] == "http.response.start":
-                method = state.get(METHOD_STATE)
-                self.metrics.response(scope["path"], message["status"], method)
+                self.metrics.response(scope["path"], message["status"], state.get(METHOD_STATE))
             await send(message)
 
-        await self._guarded(scope, receive, counted)
+        async def refuse(status: int, message: str, code: str, headers: dict) -> None:
+            if status == 429:
+                self.metrics.reject(code)
+            await error_response(status, message, None, code, headers)(scope, receive, counted)
 
-    async def _guarded(self, scope, receive, send) -> None:
-        headers = dict(scope.get("headers", ()))
         path = scope["path"]
+        headers = dict(scope.get("headers", ()))
         guarded = path.startswith("/v1/") or (path == "/metrics" and self.config.metrics_need_key)
         key = None
         if self._keys.enabled and guarded:
             key = self._keys.match(headers.get(b"authorization", b""))
             if key is None:
-                response = error_response(
-                    401,
-                    "Incorrect or missing API key.",
-                    None,
-                    "invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-                await response(scope, receive, send)
+                auth = {"WWW-Authenticate": "Bearer"}
+                await refuse(401, "Incorrect or missing API key.", "invalid_api_key", auth)
                 return
-        if key is not None and path.startswith("/v1/"):
-            wait = self._tokens.retry_after(key)
-            if wait:
-                limit = self._tokens.limit
-                response = error_response(
-                    429,
-                    f"this API key used its {limit} tokens per minute; retry in {wait} s",
-                    None,
-                    "rate_limit_exceeded",
-                    headers={"Retry-After": str(wait)},
-                )
-                self.metrics.reject("rate_limit_exceeded")
-                await response(scope, receive, send)
-                return
-            scope.setdefault("state", {})[API_KEY_STATE] = key  # the routes charge it
-            if not self._streams.acquire(key):
-                limit = self._streams.limit
-                response = error_response(
-                    429,
-                    f"this API key already has {limit} requests in flight",
-                    None,
-                    "too_many_requests",
-                    headers={"Retry-After": "1"},
-                )
-                self.metrics.reject("too_many_requests")
-                await response(scope, receive, send)
-                return
-            try:
-                await self._bounded(scope, receive, send, headers)
-            finally:
-                self._streams.release(key)
+        if key is None or not path.startswith("/v1/"):
+            await self._bounded(scope, receive, counted, headers)
             return
-        await self._bounded(scope, receive, send, headers)
+        wait = self._tokens.retry_after(key)
+        if wait:
+            message = f"this API key used its {self._tokens.limit} tokens per minute"
+            retry = {"Retry-After": str(wait)}
+            await refuse(429, f"{message}; retry in {wait} s", "rate_limit_exceeded", retry)
+            return
+        state[API_KEY_STATE] = key  # the routes charge it
+        if not self._streams.acquire(key):
+            message = f"this API key already has {self._streams.limit} requests in flight"
+            await refuse(429, message, "too_many_requests", {"Retry-After": "1"})
+            return
+        try:
+            await self._bounded(scope, receive, counted, headers)
+        finally:
+            self._streams.release(key)
 
     async def _bounded(self, scope, receive, send, headers: dict[bytes, bytes]) -> None:
         limit = self.config.max_body_bytes
@@ -189,8 +135,7 @@ def create_app(
     """The app; ``on_ready`` runs once the backend has started (the CLI prints the URL)."""
     metrics = GatewayMetrics(config.model_name, config.mode)
     builder = RequestBuilder(backend, tokenizer, config)
-    created = int(time.time())
-
+    created, model = int(time.time()), config.model_name
     detokenize = make_detokenize(tokenizer)
 
     @asynccontextmanager
@@ -212,104 +157,15 @@ def create_app(
     install_error_handlers(app)
     app.state.metrics, app.state.backend = metrics, backend
 
-    async def start(request: Request, prepared: Prepared) -> Generation:
-        """Queue the request and wait for its first delta (errors here become 4xx/5xx)."""
-        tracker = RequestTracker(metrics, prepared.method)
-        deltas = backend.generate(prepared.request)
-        try:
-            first: TokenDelta = await unless_disconnected(request, anext(deltas))
-        except ValueError as err:
-            tracker.finish("error")
-            raise invalid(str(err)) from err
-        except ClientGone:
-            tracker.finish("abort")
-            raise
-        except BackendBusy:
-            tracker.reject("queue_full")  # a refusal, not a failure: counted apart
-            raise
-        except BaseException:
-            tracker.finish("error")
-            raise
-        stop = prepared.request.params.stop
-        key = request.scope.get("state", {}).get(API_KEY_STATE)
-        charge = None if key is None else partial(tokens.charge, key)
-        return Generation(deltas, first, TextStream(detokenize, stop), tracker, charge)
-
-    def headers(prepared: Prepared, generation: Generation | None = None) -> dict[str, str]:
-        out = {"X-Lyanna-Method": prepared.method, "X-Request-Id": prepared.request.request_id}
-        if generation is not None:
-            out["X-Lyanna-Acceptance-Length"] = f"{generation.tracker.acceptance_length:.4f}"
-        return out
-
-    def usage_of(generation: Generation) -> dict:
-        tracker = generation.tracker
-        return usage(
-            tracker.num_prompt_tokens, tracker.num_output_tokens, generation.spec_summary()
-        )
-
-    def token_text(token: int) -> str:
-        return detokenize([token])
-
-    def chat_lp(entries: list, offset: int) -> tuple[dict, int]:
-        return chat_logprobs(entries, token_text), offset
-
-    def completion_lp(entries: list, offset: int) -> tuple[dict, int]:
-        body = completion_logprobs(entries, token_text, offset)
-        return body, offset + sum(len(t) for t in body["tokens"])
-
-    model = config.model_name
-    surfaces = {
-        "chat": Surface(
-            prefix="chatcmpl",
-            logprobs=chat_lp,
-            whole=lambda rid, text, finish, use, lp: chat_response(
-                rid, model, text, finish, use, lp
-            ),
-            opening=lambda rid, with_usage: [
-                chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, None, with_usage)
-            ],
-            piece=lambda rid, text, with_usage, lp: chat_chunk(
-                rid, model, {"content": text}, None, None, with_usage, lp
-            ),
-            final=lambda rid, finish, with_usage, lp: chat_chunk(
-                rid, model, {}, finish, None, with_usage, lp
-            ),
-            usage_only=lambda rid, use: chat_chunk(rid, model, None, None, use, True),
-        ),
-        "completion": Surface(
-            prefix="cmpl",
-            logprobs=completion_lp,
-            whole=lambda rid, text, finish, use, lp: completion_response(
-                rid, model, text, finish, use, lp
-            ),
-            opening=lambda rid, with_usage: [],
-            piece=lambda rid, text, with_usage, lp: completion_response(
-                rid, model, text, None, None, lp
-            ),
-            final=lambda rid, finish, with_usage, lp: completion_response(
-                rid, model, "", finish, None, lp
-            ),
-            usage_only=lambda rid, use: {
-                **completion_response(rid, model, "", None, use),
-                "choices": [],
-            },
-        ),
-    }
-
-    async def serve(
-        request: Request, body: ChatCompletionRequest | CompletionRequest, surface: Surface
-    ) -> Response:
-        """The one code path of both generation routes: intake, queueing, then a whole
-        answer or an SSE stream; ``surface`` holds what differs (ids and body shapes)."""
+    async def serve(request: Request, body: ChatCompletionRequest | CompletionRequest) -> Response:
+        """Both generation routes: intake, queueing, then a whole answer or an SSE stream."""
+        chat = isinstance(body, ChatCompletionRequest)
         request_id = request_id_of(request.headers.get(REQUEST_ID_HEADER))
-        header_method = request.headers.get(METHOD_HEADER)
-        if isinstance(body, ChatCompletionRequest):
-            prepared = await builder.chat(body, header_method, request_id)
-        else:
-            prepared = await builder.completion(body, header_method, request_id)
-        request.scope.setdefault("state", {})[METHOD_STATE] = prepared.method
-        # the response id carries the request id, so a client's X-Request-Id finds its answer
-        rid = f"{surface.prefix}-{request_id}"
+        prepared = await builder.prepare(body, request.headers.get(METHOD_HEADER), request_id)
+        state = request.scope.setdefault("state", {})
+        state[METHOD_STATE] = prepared.method
+        headers = {"X-Lyanna-Method": prepared.method, "X-Request-Id": request_id}
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"  # finds the client's answer
         with_usage = body.include_usage
         offset = 0  # characters of output the logprobs covered so far (completions' offsets)
 
@@ -317,50 +173,101 @@ def create_app(
             nonlocal offset
             if prepared.logprobs is None:
                 return None
-            body, offset = surface.logprobs(entries, offset)
-            return body
+            if chat:
+                return chat_logprobs(entries, lambda token: detokenize([token]))
+            lp = completion_logprobs(entries, lambda token: detokenize([token]), offset)
+            offset += sum(len(t) for t in lp["tokens"])
+            return lp
+
+        kind = "chat.completion" if chat else "text_completion"
+        chunk_kind = f"{kind}.chunk" if chat else kind
+        null_usage = {"usage": None} if chat and with_usage else {}  # on every chat chunk
+
+        def chunk(text: str, finish: str | None, lp: dict | None, delta: dict | None = None):
+            if chat:  # the opening chunk's delta names the role, the final one is empty
+                content = {"delta": delta or ({"content": text} if text else {})}
+            else:
+                content = {"text": text}
+            choice = {**content, "logprobs": lp, "finish_reason": finish}
+            return response(rid, model, chunk_kind, choice, **null_usage)
+
+        def usage_of(generation: Generation) -> dict:
+            tracker = generation.tracker
+            prompt, output = tracker.num_prompt_tokens, tracker.num_output_tokens
+            return usage(prompt, output, generation.spec_summary())
 
         async def chunks(generation: Generation) -> AsyncIterator[str]:
-            for opening in surface.opening(rid, with_usage):
-                yield sse(opening)
+            if chat:
+                yield sse(chunk("", None, None, {"role": "assistant", "content": ""}))
             try:
                 async for piece in generation.texts():
-                    lp = logprobs_of(generation.unsent_logprobs())
-                    yield sse(surface.piece(rid, piece, with_usage, lp))
+                    yield sse(chunk(piece, None, logprobs_of(generation.unsent_logprobs())))
             except (APIError, RuntimeError, ValueError) as err:
                 yield sse(stream_error(err))
                 yield SSE_DONE
                 return
             lp = logprobs_of(generation.unsent_logprobs())
-            yield sse(surface.final(rid, generation.finish_reason, with_usage, lp))
+            yield sse(chunk("", generation.finish_reason, lp))
             if with_usage:
-                yield sse(surface.usage_only(rid, usage_of(generation)))
+                yield sse(response(rid, model, chunk_kind, None, usage=usage_of(generation)))
             yield SSE_DONE
 
+        tracker = RequestTracker(metrics, prepared.method)
+        deltas = backend.generate(prepared.request)
+        try:  # the first delta: errors here become 4xx / 5xx answers
+            first = await unless_disconnected(request, anext(deltas))
+        except ValueError as err:
+            tracker.finish("error")
+            raise invalid(str(err)) from err
+        except ClientGone:
+            tracker.finish("abort")
+            return Response(status_code=499)
+        except BackendBusy:
+            tracker.reject("queue_full")  # a refusal, not a failure: counted apart
+            raise
+        except BaseException:
+            tracker.finish("error")
+            raise
+        key = state.get(API_KEY_STATE)
+        charge = None if key is None else partial(tokens.charge, key)
+        text = TextStream(detokenize, prepared.request.params.stop)
+        generation = Generation(deltas, first, text, tracker, charge)
+        if body.stream:
+            return StreamingResponse(
+                chunks(generation),
+                media_type="text/event-stream",
+                headers={**headers, "Cache-Control": "no-cache"},
+                background=BackgroundTask(generation.close),
+            )
         try:
-            generation = await start(request, prepared)
-            if body.stream:
-                return StreamingResponse(
-                    chunks(generation),
-                    media_type="text/event-stream",
-                    headers={**headers(prepared), "Cache-Control": "no-cache"},
-                    background=BackgroundTask(generation.close),
-                )
             text = await unless_disconnected(request, generation.collect())
         except ClientGone:
             return Response(status_code=499)
-        finish = generation.finish_reason or "stop"
-        lp = logprobs_of(generation.logprobs)
-        answer = surface.whole(rid, text, finish, usage_of(generation), lp)
-        return JSONResponse(answer, headers=headers(prepared, generation))
+        content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+        finish, lp = generation.finish_reason or "stop", logprobs_of(generation.logprobs)
+        choice = {**content, "logprobs": lp, "finish_reason": finish}
+        answer = response(rid, model, kind, choice, usage=usage_of(generation))
+        headers["X-Lyanna-Acceptance-Length"] = f"{tracker.acceptance_length:.4f}"
+        return JSONResponse(answer, headers=headers)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await serve(request, body, surfaces["chat"])
+        return await serve(request, body)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await serve(request, body, surfaces["completion"])
+        return await serve(request, body)
+
+    def model_card() -> dict:
+        return {
+            "id": model,
+            "object": "model",
+            "created": created,
+            "owned_by": "lyanna",
+            "max_model_len": backend.max_context,
+            "lyanna_methods": list(backend.methods),
+            "lyanna_default_method": backend.default_method,
+        }
 
     @app.get("/v1/models")
     async def list_models() -> dict:
@@ -372,38 +279,27 @@ def create_app(
             raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
         return model_card()
 
-    def model_card() -> dict:
-        return {
-            "id": config.model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "lyanna",
-            "max_model_len": backend.max_context,
-            "lyanna_methods": list(backend.methods),
-            "lyanna_default_method": backend.default_method,
-        }
+    async def probe(ok: str, states: tuple[str, ...]) -> JSONResponse:
+        components = await backend.health()
+        serving = all(v == "ok" or v.startswith(states) for v in components.values())
+        body = {"status": ok if serving else "unavailable", "components": components}
+        return JSONResponse(body, status_code=200 if serving else 503)
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        components = await backend.health()
-        serving = all(v == "ok" or v.startswith("degraded:") for v in components.values())
-        body = {"status": "ok" if serving else "unavailable", "components": components}
-        return JSONResponse(body, status_code=200 if serving else 503)
+        return await probe("ok", ("degraded:",))
 
     @app.get("/livez")
     async def livez() -> dict:
-        """Liveness: the process answers (never its peers' state: a verifier outage must
-        not get the gateway restarted)."""
+        """The process answers (never its peers' state: a verifier outage must not get the
+        gateway restarted)."""
         return {"status": "ok"}
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
-        """Readiness: the gateway can serve, target-only included (a drafter in fallback is
-        not a reason to take it out of rotation; a verifier outage is)."""
-        components = await backend.health()
-        ready = all(v == "ok" or v.startswith(SERVING_STATES) for v in components.values())
-        body = {"status": "ready" if ready else "unavailable", "components": components}
-        return JSONResponse(body, status_code=200 if ready else 503)
+        """Target-only serving is ready (a drafter in fallback is no reason to leave the
+        rotation; a verifier outage is)."""
+        return await probe("ready", SERVING_STATES)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

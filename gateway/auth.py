@@ -1,13 +1,9 @@
 """API keys and per-key limits for the HTTP surface.
 
-Keys come from the configuration (``LYANNA_API_KEYS``) and, optionally, a file with one key
-per line (``#`` comments; ``--api-keys-file`` / ``LYANNA_API_KEYS_FILE``). The file is read
-again when it changes (checked at most once a second), so keys rotate without a restart; an
-unreadable or emptied file keeps the keys last read rather than opening the door. Keys are
-compared in constant time. ``max_streams_per_key`` bounds each key's requests in flight, and
-``max_tokens_per_minute_per_key`` the tokens (prompt + output) each key used in the last 60 s:
-past either, a request gets a 429 with ``Retry-After``.
-"""
+Keys come from ``LYANNA_API_KEYS`` and optionally a file, one key per line (``#`` comments),
+read again when it changes (looked at once a second at most), so keys rotate without a
+restart; an unreadable or emptied file keeps the last keys rather than opening the door.
+Keys are compared in constant time."""
 
 from __future__ import annotations
 
@@ -27,18 +23,12 @@ MAX_KEY_BYTES = 256
 
 
 def read_key_file(path: str | Path) -> tuple[bytes, ...]:
-    """The keys of a key file (bounded in number and length; blank lines and comments skipped)."""
-    keys = []
-    for line in Path(path).read_text().splitlines():
-        key = line.split("#", 1)[0].strip()
-        if not key:
-            continue
-        if len(key.encode()) > MAX_KEY_BYTES:
-            raise ValueError(f"an API key in {path} is longer than {MAX_KEY_BYTES} bytes")
-        keys.append(key.encode())
-        if len(keys) > MAX_KEYS:
-            raise ValueError(f"{path} holds more than {MAX_KEYS} keys")
-    return tuple(keys)
+    keys = [k for line in Path(path).read_text().splitlines() if (k := line.split("#")[0].strip())]
+    if len(keys) > MAX_KEYS:
+        raise ValueError(f"{path} holds more than {MAX_KEYS} keys")
+    if any(len(k.encode()) > MAX_KEY_BYTES for k in keys):
+        raise ValueError(f"an API key in {path} is longer than {MAX_KEY_BYTES} bytes")
+    return tuple(k.encode() for k in keys)
 
 
 class KeyRing:
@@ -46,17 +36,11 @@ class KeyRing:
 
     def __init__(self, keys: tuple[str, ...] = (), key_file: str = "") -> None:
         self._fixed = tuple(k.encode() for k in keys)
-        self._file = key_file
-        self._from_file: tuple[bytes, ...] = ()
-        self._mtime: float | None = None
-        self._checked = 0.0
-        if key_file:
-            self._from_file = read_key_file(key_file)  # fail at start on a bad file
-            self._mtime = os.stat(key_file).st_mtime
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self._fixed or self._file)
+        self._file, self._checked = key_file, 0.0
+        # fail at start on a bad file
+        self._from_file = read_key_file(key_file) if key_file else ()
+        self._mtime = os.stat(key_file).st_mtime if key_file else None
+        self.enabled = bool(self._fixed or self._file)
 
     def match(self, authorization: bytes) -> bytes | None:
         """The key a ``Bearer`` authorization header carries, if it is accepted."""
@@ -81,11 +65,10 @@ class KeyRing:
             if mtime == self._mtime:
                 return
             keys = read_key_file(self._file)
+            if not keys:
+                raise ValueError("it is empty")
         except (OSError, ValueError) as error:
             logger.warning("API key file not reloaded (%s); keeping the last keys", error)
-            return
-        if not keys:
-            logger.warning("API key file %s is empty; keeping the last keys", self._file)
             return
         self._from_file, self._mtime = keys, mtime
         logger.info("reloaded %d API keys from %s", len(keys), self._file)
@@ -106,20 +89,16 @@ class StreamLimiter:
         return True
 
     def release(self, key: bytes) -> None:
-        count = self._active.get(key, 0) - 1
+        count = self._active.pop(key, 0) - 1
         if count > 0:
             self._active[key] = count
-        else:
-            self._active.pop(key, None)
 
 
 class TokenRateLimiter:
     """Tokens (prompt + output) per key over a sliding minute; ``limit`` 0 = unbounded.
 
-    A finished request charges what it used; a key whose last minute already holds ``limit``
-    tokens is refused until enough of them age out (``retry_after``). The check comes before
-    the request runs and the charge after, so one request may overshoot the limit by its own
-    size (as OpenAI's limits do for a request that fits the remaining budget)."""
+    The check comes before a request runs and its charge after, so one request may overshoot
+    the limit by its own size (as OpenAI's limits do)."""
 
     WINDOW = 60.0
 

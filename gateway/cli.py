@@ -18,9 +18,8 @@ def _cmd_fetch_model(args: argparse.Namespace) -> int:
 
     print(fetch_default_model())
     # build the native decoder now rather than inside a service's start-up (about 50 s once)
-    print(
-        "native decoder:", "ready" if load_decoder() is not None else "unavailable (eager layers)"
-    )
+    ready = load_decoder() is not None
+    print("native decoder:", "ready" if ready else "unavailable (eager layers)")
     return 0
 
 
@@ -35,16 +34,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     model = load_model(model_path, dtype, device, weights=args.weights)
     tokenizer = load_tokenizer(model_path)
     params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-        stop=tuple(args.stop),
+        args.temperature, args.top_p, args.max_tokens, seed=args.seed, stop=tuple(args.stop)
     )
-    messages = [{"role": "user", "content": args.prompt}]
     sequence = Sequence(
         seq_id=0,
-        prompt_ids=chat_prompt_ids(tokenizer, messages),
+        prompt_ids=chat_prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}]),
         params=params,
         eos_token_ids=frozenset({tokenizer.eos_token_id, model.config.eos_token_id} - {None}),
         detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
@@ -68,39 +62,35 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
-    from gateway.chat import ChatOptions, run_chat
+    from dataclasses import fields
 
-    options = ChatOptions(
-        url=args.url,
-        api_key=args.api_key,
-        model=args.model,
-        method=args.method,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        system=args.system,
-    )
+    from client.chat import ChatOptions, run_chat
+
+    options = ChatOptions(**{f.name: getattr(args, f.name) for f in fields(ChatOptions)})
     return run_chat(options, args.prompt)
+
+
+def _env(parser: argparse.ArgumentParser, flag: str, kind: type, default, help: str, **kw) -> None:
+    """A flag whose default comes from ``LYANNA_<FLAG>`` when set."""
+    env = "LYANNA_" + flag.lstrip("-").replace("-", "_").upper()
+    value = os.environ.get(env)
+    default = default if value is None else kind(value)
+    parser.add_argument(flag, type=kind, default=default, help=f"{help} (env {env})", **kw)
 
 
 def _add_weights(parser: argparse.ArgumentParser) -> None:
     from lyanna.model.loader import WEIGHT_FORMATS
 
-    parser.add_argument(
+    _env(
+        parser,
         "--weights",
+        str,
+        "auto",
+        "target weights: q4 = the GGUF's 4-bit blocks on the int4 kernel, q4a8 = the same with "
+        "int8 activations (llama.cpp's numerics: faster, less exact), fp32 = dequantized "
+        "(exact), auto = fp32 or q4, whichever measured faster here",
         choices=WEIGHT_FORMATS,
-        default=os.environ.get("LYANNA_WEIGHTS", "auto"),
-        help="target weights: q4 = the GGUF's 4-bit blocks on the int4 kernel, q4a8 = the "
-        "same with int8 activations (llama.cpp's numerics: faster verification, batches and "
-        "prefill, less exact), fp32 = dequantized (exact), auto = fp32 or q4, whichever "
-        "measured faster here (env LYANNA_WEIGHTS)",
     )
-
-
-def _add_env_int(parser: argparse.ArgumentParser, flag: str, default: int, help: str) -> None:
-    """An integer flag whose default comes from ``LYANNA_<FLAG>`` when set."""
-    env = "LYANNA_" + flag.lstrip("-").replace("-", "_").upper()
-    value = int(os.environ.get(env, str(default)))
-    parser.add_argument(flag, type=int, default=value, help=f"{help} (env {env})")
 
 
 def _add_serve(sub) -> None:
@@ -112,22 +102,11 @@ def _add_serve(sub) -> None:
     serve.add_argument("--model", help="an HF directory or .gguf (default: SmolLM2-135M)")
     _add_weights(serve)
     add_placement_args(serve, services=True)
-    serve.add_argument(
-        "--tree",
-        choices=("cost", "fixed"),
-        default=os.environ.get("LYANNA_TREE", "cost"),
-        help="cost: each step drafts only the nodes that pay for their verification (the "
-        "target's cost curve, measured once per machine); fixed: every method's full "
-        "default budget (env LYANNA_TREE)",
-    )
-    _add_env_int(
-        serve,
-        "--threads",
-        0,
-        "compute threads of the target (embedded) or the verifier (services), fixed; 0 = "
-        "embedded: every CPU, the event loop sending each step's tokens between steps; "
-        "services: every CPU for the verifier (the drafter takes one thread beside it)",
-    )
+    cost = "cost: each step drafts only the nodes that pay for their verification (the target's"
+    fixed = "cost curve, measured once per machine); fixed: every method's full default budget"
+    _env(serve, "--tree", str, "cost", f"{cost} {fixed}", choices=("cost", "fixed"))
+    threads = "compute threads of the target (embedded) or the verifier (services); 0 = every CPU"
+    _env(serve, "--threads", int, 0, f"{threads} (services: the drafter takes one beside it)")
     serve.add_argument("--max-running", type=int, default=8, help="running sequences per engine")
     serve.add_argument("--max-len", type=int, default=2048, help="KV rows per sequence")
     serve.add_argument("--max-waiting", type=int, default=64, help="queue bound (then 429)")
@@ -147,102 +126,42 @@ def _add_serve(sub) -> None:
         help="prompt + output tokens per API key per minute, then 429 "
         "(env LYANNA_MAX_TOKENS_PER_MINUTE_PER_KEY; 0: none)",
     )
-    serve.add_argument(
-        "--queue-timeout",
-        type=float,
-        default=float(os.environ.get("LYANNA_QUEUE_TIMEOUT", "60")),
-        help="seconds a request may wait for a free sequence slot (then 429; env "
-        "LYANNA_QUEUE_TIMEOUT)",
-    )
-    serve.add_argument(
-        "--verifier-addr",
-        default=os.environ.get("LYANNA_VERIFIER_ADDR"),
-        help="services mode: use this running verifier (host:port) instead of starting one",
-    )
-    serve.add_argument(
-        "--drafter-addr",
-        default=os.environ.get("LYANNA_DRAFTER_ADDR"),
-        help="services mode: the running drafter (host:port) next to --verifier-addr; it "
-        "verifies through that verifier itself (its own --verifier / LYANNA_DRAFTER_VERIFIER)",
-    )
-    serve.add_argument(
-        "--draft-deadline",
-        type=float,
-        default=float(os.environ.get("LYANNA_DRAFT_DEADLINE", "2")),
-        help="services mode: seconds the drafter may take to draft a step; a drafter that has "
-        "drafted nothing a second after it is taken for stuck, and steps run target-only until "
-        "it answers again (env LYANNA_DRAFT_DEADLINE)",
-    )
-    serve.add_argument(
-        "--verify-deadline",
-        type=float,
-        default=float(os.environ.get("LYANNA_VERIFY_DEADLINE", "60")),
-        help="services mode: seconds a Verify may take; past it the sequences wait and are "
-        "re-prefilled from the gateway's history (env LYANNA_VERIFY_DEADLINE)",
-    )
-    serve.add_argument(
-        "--control-deadline",
-        type=float,
-        default=float(os.environ.get("LYANNA_CONTROL_DEADLINE", "10")),
-        help="services mode: seconds a Start, Release, Capacity or Info call may take "
-        "(env LYANNA_CONTROL_DEADLINE)",
-    )
+    remote = "services mode:"
+    for flag, kind, default, help in (
+        ("--queue-timeout", float, 60.0, "seconds a request may wait for a slot (then 429)"),
+        ("--verifier-addr", str, None, f"{remote} use this running verifier (host:port)"),
+        ("--drafter-addr", str, None, f"{remote} the running drafter beside --verifier-addr"),
+        ("--draft-deadline", float, 2.0, f"{remote} seconds to draft a step (then target-only)"),
+        ("--verify-deadline", float, 60.0, f"{remote} seconds a Verify may take (then resume)"),
+        ("--control-deadline", float, 10.0, f"{remote} seconds a Start, Release, Info may take"),
+        ("--max-steps-per-call", int, 8, f"{remote} plain decode steps per Verify when no draft"),
+        ("--drain-seconds", float, 60.0, "on SIGTERM: how long streams in flight may finish"),
+    ):
+        _env(serve, flag, kind, default, help)
     serve.add_argument(
         "--pipeline",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="services mode: asynchronous two-lane pipeline (--no-pipeline: one lane); by "
-        "default on where drafter and verifier do not share the CPU's cores (--verifier-addr, "
-        "or a GPU device), off for services started here on the CPU",
+        help=f"{remote} asynchronous two-lane pipeline; by default on where drafter and "
+        "verifier do not share the CPU's cores (--verifier-addr, or a GPU device)",
     )
-    _add_env_int(
+    _env(
         serve,
-        "--max-steps-per-call",
-        8,
-        "services mode: plain decode steps one Verify call may run when no sequence of its "
-        "batch drafts (fewer round trips; tokens arrive in bursts of up to this many; 1 = one "
-        "call per step)",
-    )
-    serve.add_argument(
         "--data-plane",
+        str,
+        "grpc",
+        f"{remote} how hidden states travel from the verifier to the drafter: grpc (inline), "
+        "gloo (torch.distributed, CPU) or nccl (GPU); the services must run with the same",
         choices=("grpc", "gloo", "nccl"),
-        default=os.environ.get("LYANNA_DATA_PLANE", "grpc"),
-        help="services mode: how hidden states travel from the verifier to the drafter: grpc "
-        "(inline in the replies), gloo (torch.distributed, CPU) or nccl (GPU); the services "
-        "started here get it as --plane, services elsewhere must run with the same "
-        "(env LYANNA_DATA_PLANE)",
-    )
-    serve.add_argument(
-        "--drain-seconds",
-        type=float,
-        default=float(os.environ.get("LYANNA_DRAIN_SECONDS", "60")),
-        help="on SIGTERM: /readyz turns 503 and new requests get 503 with Retry-After at once, "
-        "streams in flight may finish for up to this long; 0 = stop at once "
-        "(env LYANNA_DRAIN_SECONDS)",
     )
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_cmd_serve)
 
 
-def _add_chat(sub) -> None:
-    chat = sub.add_parser("chat", help="chat with a running server (streams, shows tokens/s)")
-    chat.add_argument("--url", default="http://127.0.0.1:8000/v1")
-    chat.add_argument("--api-key", default="none")
-    chat.add_argument("--model", help="default: the first model the server lists")
-    chat.add_argument("--method", help="speculative method for these requests")
-    chat.add_argument("--max-tokens", type=int, default=256)
-    chat.add_argument("--temperature", type=float, default=0.0)
-    chat.add_argument("--system", help="system prompt")
-    chat.add_argument("--prompt", help="ask once and exit (default: interactive)")
-    chat.set_defaults(func=_cmd_chat)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lyanna", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    fetch = sub.add_parser(
-        "fetch-model", help="fetch and convert the default model once, build the native decoder"
-    )
+    fetch = sub.add_parser("fetch-model", help="fetch the default model, build the native decoder")
     fetch.set_defaults(func=_cmd_fetch_model)
     gen = sub.add_parser("generate", help="answer one chat prompt with plain decoding")
     gen.add_argument("--prompt", required=True)
@@ -256,7 +175,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.set_defaults(func=_cmd_generate)
     _add_serve(sub)
-    _add_chat(sub)
+    chat = sub.add_parser("chat", help="chat with a running server (streams, shows tokens/s)")
+    chat.add_argument("--url", default="http://127.0.0.1:8000/v1")
+    chat.add_argument("--api-key", default="none")
+    chat.add_argument("--model", help="default: the first model the server lists")
+    chat.add_argument("--method", help="speculative method for these requests")
+    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--prompt", help="ask once and exit (default: interactive)")
+    chat.set_defaults(func=_cmd_chat)
     return parser
 
 

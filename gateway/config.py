@@ -1,6 +1,5 @@
-"""Gateway settings: one frozen dataclass built from command-line flags and ``LYANNA_*``
-environment variables (flags win), validated once. Every size the HTTP surface accepts is
-bounded here."""
+"""Gateway settings from flags and ``LYANNA_*`` variables (flags win), validated once; every
+size the HTTP surface accepts is bounded here."""
 
 from __future__ import annotations
 
@@ -73,12 +72,8 @@ class GatewayConfig:
         """How the gateway reaches the services: None = plaintext."""
         if not self.services_tls_ca:
             return None
-        return ClientTls(
-            self.services_tls_ca,
-            self.services_tls_cert or None,
-            self.services_tls_key or None,
-            self.services_tls_server_name or None,
-        )
+        names = (self.services_tls_cert, self.services_tls_key, self.services_tls_server_name)
+        return ClientTls(self.services_tls_ca, *(name or None for name in names))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> GatewayConfig:

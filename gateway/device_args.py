@@ -1,7 +1,6 @@
-"""``--device`` / ``--dtype`` for every command that loads a model (``lyanna generate``,
-``lyanna serve``, the benchmarks) and their check before anything loads. Its own module so
-that the command line (``gateway.cli``) and the server it starts (``gateway.launcher``) both
-use it without importing each other."""
+"""``--device`` / ``--dtype`` for every command that loads a model (``lyanna generate`` and
+``serve``, the benchmarks), checked before anything loads; its own module so that
+``gateway.cli`` and ``gateway.launcher`` share it without importing each other."""
 
 from __future__ import annotations
 
@@ -10,9 +9,8 @@ import os
 
 
 def add_placement_args(parser: argparse.ArgumentParser, services: bool = False) -> None:
-    """``--device`` and ``--dtype`` with defaults from ``LYANNA_DEVICE`` / ``LYANNA_DTYPE``;
-    a malformed value is a usage error; ``placement`` checks the rest (CUDA present, the
-    weight format) before anything loads."""
+    """Defaults from ``LYANNA_DEVICE`` / ``LYANNA_DTYPE``; a malformed value is a usage error
+    (``placement`` checks the rest)."""
     from lyanna.model.device import DTYPES, parse_device, parse_dtype
 
     def checked(parse):
@@ -43,8 +41,7 @@ def add_placement_args(parser: argparse.ArgumentParser, services: bool = False) 
 
 
 def placement(args: argparse.Namespace):
-    """The parsed ``(device, dtype)`` of ``args``: a CUDA device must be usable here, and
-    the weight format must run there (``ValueError`` otherwise)."""
+    """``(device, dtype)``; ``ValueError`` unless CUDA is usable here and the weights run there."""
     from lyanna.model.device import parse_placement
 
     return parse_placement(args.device, args.dtype, args.weights)

@@ -1,14 +1,8 @@
-"""The embedded backend: drafter and verifier in this process, one engine for every method.
-
-One ``SpecEngine`` holds the target and its KV cache; each method is a drafter registered on
-it, so requests that use different methods share every target forward (a mixed-method batch
-is one verification). ``gateway.adapter.EngineBackend`` drives it from a worker thread (the
-remote backend is the same adapter over ``remote_engine.RemoteEngine``). Drafters are built
-lazily from the registry; the default method is built at start, falling back along
-``fallback_methods`` (logged) when its checkpoint is missing. A drafter that raises is
-dropped (its method reports degraded); a step that fails fails the requests in it, and the
-engine goes on with new ones.
-"""
+"""The embedded backend: drafter and verifier in this process, one ``SpecEngine`` for every
+method (each a drafter registered on it), so requests of different methods share every
+target forward. Drafters are built on first use; the default one at start, falling back
+along ``fallback_methods`` (logged) when its checkpoint is missing. A drafter that raises
+is dropped (its method reports degraded) and the engine goes on with new requests."""
 
 from __future__ import annotations
 
@@ -17,9 +11,8 @@ import itertools
 import logging
 from dataclasses import dataclass, replace
 
-from gateway.adapter import EngineBackend
+from gateway.adapter import EngineBackend, settle
 from gateway.backend import BackendUnavailable, GenerationRequest
-from gateway.handover import settle
 from lyanna.drafters import (
     DRAFTERS,
     TARGET_ONLY,
@@ -73,8 +66,6 @@ class EmbeddedConfig:
 
 
 class EmbeddedBackend(EngineBackend):
-    """``GenerationBackend`` running every method in-process (see the module docstring)."""
-
     admit_limit = 1  # each prefill streams its first token before the next one runs
 
     def __init__(
@@ -96,14 +87,10 @@ class EmbeddedBackend(EngineBackend):
         self.engine: SpecEngine | None = None  # built by start()
         self._broken: dict[str, str] = {}  # method -> why it cannot serve (logged in full)
         self._ids = itertools.count()
-        # every CPU for each step: the worker lets the event loop send a step's deltas before
-        # it starts the next (``handover.settle``), so the OpenMP team never shares a core
+        # every CPU for each step: the worker lets the event loop send a step's deltas
+        # before it starts the next (``settle``), so the OpenMP team never shares a core
         self._threads = StepThreads.serving(self.config.threads, reserved=0)
         self._cpus = available_cpus()
-
-    @property
-    def vocab_size(self) -> int:
-        return self.model.config.vocab_size
 
     async def health(self) -> dict[str, str]:
         status = {"engine": self._alive()}
@@ -114,13 +101,8 @@ class EmbeddedBackend(EngineBackend):
         return status
 
     def _sequence(self, request: GenerationRequest, method: str) -> Sequence:
-        return Sequence(
-            seq_id=next(self._ids),
-            prompt_ids=list(request.prompt_ids),
-            params=replace(request.params, stop=()),  # the gateway applies stop strings
-            eos_token_ids=self._eos,
-            method=method,
-        )
+        params = replace(request.params, stop=())  # the gateway applies stop strings
+        return Sequence(next(self._ids), list(request.prompt_ids), params, self._eos, method=method)
 
     def _before_step(self) -> None:
         self._threads.apply(len(self.engine.running))
@@ -133,24 +115,17 @@ class EmbeddedBackend(EngineBackend):
     # -- worker thread ----------------------------------------------------------------------
 
     def _build(self) -> None:
-        """The engine (target + AR) and the default method, falling back along
-        ``fallback_methods`` when it cannot start."""
         config = EngineConfig(self.config.max_running, self._max_len, self.config.rule)
         self.engine = SpecEngine(self.model, NoDrafter(), config, method=TARGET_ONLY)
         self._warm_up(self.engine.drafter)
         configured = self.config.default_method
         for method in dict.fromkeys((configured, *self.config.fallback_methods)):
-            if not self._serves(method):
-                continue
-            if method != configured:
-                logger.warning(
-                    "default method %r is unavailable (%s); serving %r by default",
-                    configured,
-                    self._broken[configured],
-                    method,
-                )
-            self.default_method = method
-            return
+            if self._serves(method):
+                if method != configured:
+                    why = self._broken[configured]
+                    logger.warning("default %r: %s; serving %r", configured, why, method)
+                self.default_method = method
+                return
         raise BackendUnavailable(f"no method could start: {self._broken}")
 
     def _serves(self, method: str) -> bool:
@@ -173,27 +148,19 @@ class EmbeddedBackend(EngineBackend):
         return True
 
     def _warm_up(self, drafter: Drafter) -> None:
-        """One short greedy request on a one-slot engine of its own (the shared engine's
-        running requests must not step meanwhile): proves the drafter fits the model (a
-        checkpoint for another model fails here, not in a client's request) and warms the
-        kernels."""
+        """One short greedy request on a one-slot engine of its own (the shared one's requests
+        must not step meanwhile): a checkpoint for another model fails here, not in a
+        client's request, and the kernels warm up."""
         prompt = [i % self.model.config.vocab_size for i in range(1, 9)]
         engine = SpecEngine(self.model, drafter, EngineConfig(1, len(prompt) + 4 + TREE_MARGIN))
-        engine.submit(
-            Sequence(next(self._ids), prompt, SamplingParams(max_tokens=4, ignore_eos=True))
-        )
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        engine.submit(Sequence(next(self._ids), prompt, params))
         engine.run()
 
     def _step_failed(self, err: Exception) -> None:
-        """A step failed half-way: every running request fails (503) and is aborted; when a
-        drafter raised, its method stops serving (degraded) so it cannot fail the next."""
+        """Also: a drafter that raised stops serving (degraded) so it cannot fail the next
+        step; the requests waiting on its method fail."""
         if isinstance(err, DrafterError):
             self._broken[err.method] = "its drafter failed (see the server log)"
             self.engine.remove_method(err.method)
         super()._step_failed(err)
-        failure = BackendUnavailable("engine error (logged)")
-        waiting = {s.seq_id for s in self.engine.waiting}
-        for seq_id, handle in list(self._handles.items()):  # waiting on a dropped method
-            if seq_id not in waiting:
-                self._deliver(handle, failure)
-                del self._handles[seq_id]

@@ -1,7 +1,6 @@
 """One request's generation as the routes see it: backend deltas become text deltas (stop
-strings applied by ``TextStream``), metrics are recorded as deltas arrive, and the backend
-iterator is always closed, so a client that leaves (cancelled stream, disconnected
-non-streaming request) aborts the sequence in the backend."""
+strings applied), metrics are recorded as they arrive, and the backend iterator is always
+closed, so a client that leaves aborts the sequence in the backend."""
 
 from __future__ import annotations
 
@@ -64,8 +63,7 @@ class Generation:
             self._finish()
 
     async def close(self) -> None:
-        """Release the request if ``texts`` never ran to its end (a stream cancelled before
-        its first chunk); idempotent."""
+        """Release the request if ``texts`` never ran to its end; idempotent."""
         with anyio.CancelScope(shield=True):
             await self._deltas.aclose()
         self._finish()
@@ -76,10 +74,8 @@ class Generation:
             on_finish, self._on_finish = self._on_finish, None
             on_finish(self.tracker.num_prompt_tokens + self.tracker.num_output_tokens)
 
-    def unsent_logprobs(self) -> list:
-        """The logprobs no stream chunk carried yet (marked sent)."""
-        fresh = self.logprobs[self.logprobs_sent :]
-        self.logprobs_sent = len(self.logprobs)
+    def unsent_logprobs(self) -> list:  # those no stream chunk carried yet (marked sent)
+        fresh, self.logprobs_sent = self.logprobs[self.logprobs_sent :], len(self.logprobs)
         return fresh
 
     async def collect(self) -> str:

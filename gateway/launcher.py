@@ -1,16 +1,12 @@
-"""``lyanna serve``: pick the deployment mode, start what it needs and serve until SIGINT /
-SIGTERM, printing the URL and an example ``curl`` once the backend is ready.
+"""``lyanna serve``: start what the deployment mode needs and serve until SIGINT / SIGTERM,
+printing the URL and an example ``curl`` once the backend is ready.
 
 - ``embedded``: drafter and verifier in the gateway process (``EmbeddedBackend``).
 - ``services``: the verifier and drafter gRPC services as local subprocesses
-  (``services.launch``, which tells the drafter where the verifier is: each step is one
-  gateway -> drafter call, the drafter verifying through the verifier) and the gateway in
-  this process with ``RemoteBackend`` (asynchronous pipeline); with ``--verifier-addr`` (and
-  ``--drafter-addr``) it connects to services that already run (a cluster, the drafter
-  started with ``--verifier``) and starts nothing. ``--data-plane gloo|nccl`` starts the
-  services with that ``--plane`` and has the drafter take hidden states over it. When a
-  local drafter cannot start with the requested method (a missing checkpoint), the next of
-  ``FALLBACK_METHODS`` is tried (logged).
+  (``services.launch``) and ``RemoteBackend`` here; with ``--verifier-addr`` (and
+  ``--drafter-addr``) it connects to running services and starts nothing. A local drafter
+  that cannot start with the requested method (a missing checkpoint) is started with the
+  next of ``FALLBACK_METHODS`` (logged).
 """
 
 from __future__ import annotations
@@ -18,12 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
-
-from fastapi import FastAPI
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
@@ -46,48 +38,38 @@ def banner(config: GatewayConfig, method: str) -> str:
         f'{{"model": "{config.model_name}", "messages": [{{"role": "user", '
         f'"content": "Explain speculative decoding in two sentences."}}], "max_tokens": 128}}'
     )
-    return "\n".join(
-        [
-            f"Lyanna serves {config.model_name} at {base}/v1 "
-            f"({config.mode} mode, default method {method})",
-            "Try:",
-            f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\",
-            f"    -d '{body}'",
-            f"  lyanna chat --url {base}/v1        # or: .venv/bin/python -m gateway.cli chat",
-            f"Metrics: {base}/metrics   Health: {base}/health",
-        ]
-    )
+    mode = f"{config.mode} mode, default method {method}"
+    return f"""Lyanna serves {config.model_name} at {base}/v1 ({mode})
+Try:
+  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
+    -d '{body}'
+  lyanna chat --url {base}/v1        # or: .venv/bin/python -m gateway.cli chat
+Metrics: {base}/metrics   Health: {base}/health"""
 
 
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     overrides = {
-        "host": args.host,
-        "port": args.port,
-        "mode": args.mode,
-        "api_keys_file": args.api_keys_file,
-        "max_streams_per_key": args.max_streams_per_key,
-        "max_tokens_per_minute_per_key": args.max_tokens_per_minute_per_key,
+        name: getattr(args, name)
+        for name in ("host", "port", "mode", "api_keys_file", "max_streams_per_key")
     }
+    overrides["max_tokens_per_minute_per_key"] = args.max_tokens_per_minute_per_key
     if args.model:
         overrides["model_name"] = Path(args.model).stem
     config = GatewayConfig.from_env(**overrides)
-    if config.mode == "embedded" or not args.verifier_addr:  # a model loads here, or in the
-        # services started here: CUDA present, q4 only on CPU float32 - checked before it does
-        placement(args)
+    if config.mode == "embedded" or not args.verifier_addr:  # a model loads here or in the
+        placement(args)  # services started here: CUDA, q4 only on CPU float32, checked first
     if args.data_plane != "grpc" and config.mode != "services":
         raise ValueError("--data-plane gloo/nccl needs --mode services")
     if args.data_plane == "nccl" and not args.verifier_addr and args.device == "cpu":
         raise ValueError("--data-plane nccl needs a CUDA --device (gloo on the CPU)")
-    if config.mode == "embedded":  # the small batches' count (StepThreads) while the model
-        import torch  # loads and measures its cost curve; larger batches take every core
+    if config.mode == "services":
+        _serve_services(args, config)
+        return 0
+    import torch  # the small batches' thread count while the model loads and measures its
+    # cost curve; larger batches take every core
 
-        torch.set_num_threads(serving_threads(args.threads))
-    SERVE_MODES[config.mode](args, config)
-    return 0
-
-
-def _serve_embedded(args: argparse.Namespace, config: GatewayConfig) -> None:
+    torch.set_num_threads(serving_threads(args.threads))
     embedded = EmbeddedConfig(
         default_method=args.method,
         max_running=args.max_running,
@@ -97,15 +79,15 @@ def _serve_embedded(args: argparse.Namespace, config: GatewayConfig) -> None:
         tree=args.tree,
         threads=args.threads,
     )
-    holder: dict[str, FastAPI] = {}
-
-    def ready() -> None:
-        print(banner(config, holder["app"].state.backend.default_method), flush=True)
-
     device, dtype = placement(args)
     loaded = load(args.model, args.weights, device=device, dtype=dtype)
-    holder["app"] = embedded_app(loaded, config, embedded, ready)
-    serve(holder["app"], config, args.log_level, drain_seconds=args.drain_seconds)
+
+    def ready() -> None:
+        print(banner(config, app.state.backend.default_method), flush=True)
+
+    app = embedded_app(loaded, config, embedded, ready)
+    serve(app, config, args.log_level, drain_seconds=args.drain_seconds)
+    return 0
 
 
 def _serve_services(args: argparse.Namespace, config: GatewayConfig) -> None:
@@ -119,23 +101,19 @@ def _serve_services(args: argparse.Namespace, config: GatewayConfig) -> None:
     if args.verifier_addr:  # the services run elsewhere (deploy/k8s): connect, start nothing
         _serve_remote(args, config, tokenizer, eos, args.verifier_addr, args.drafter_addr)
         return
-    # one capacity for both services: a drafter with fewer slots would refuse sequences
+    # one capacity for both services (a drafter with fewer slots would refuse sequences);
+    # both load the target alike (the drafter measures its cost curve and takes hidden rows)
     capacity = ("--max-running", str(args.max_running), "--max-len", str(args.max_len))
-    # both load the target in one format, on one device, in one dtype: the verifier serves
-    # it, the drafter measures its cost curve on it (and takes its hidden rows in its dtype)
     target = ("--weights", args.weights, "--device", args.device, "--dtype", args.dtype)
-    # the verifier gets the compute threads (--threads; only when set: else its default,
-    # every CPU, or LYANNA_VERIFIER_TORCH_THREADS applies); the drafter one (launch)
+    # the verifier gets --threads when set (else every CPU or LYANNA_VERIFIER_TORCH_THREADS)
     threads = ("--torch-threads", str(args.threads)) if args.threads else ()
-    verifier_args = (*capacity, *target, *threads)
-    drafter_args = (*capacity, *target, "--tree", args.tree)
     for method in dict.fromkeys((args.method, *FALLBACK_METHODS)):
         try:
             deployment = launch(
                 model_path,
                 method=method,
-                verifier_args=verifier_args,
-                drafter_args=drafter_args,
+                verifier_args=(*capacity, *target, *threads),
+                drafter_args=(*capacity, *target, "--tree", args.tree),
                 plane=args.data_plane,
             )
         except LaunchError as err:
@@ -153,14 +131,10 @@ def _serve_services(args: argparse.Namespace, config: GatewayConfig) -> None:
 
 
 def use_pipeline(requested: bool | None, remote: bool, device: str) -> bool:
-    """Two lanes overlap one micro-batch's drafting with the other's verification, which pays
-    where the two services compute apart (other machines, GPUs). Started here on the CPU they
-    share its cores, so there is nothing to overlap and two lanes only halve each forward's
-    batch: on 2 cores one lane served 27-28 % more tokens/s at concurrency 4 and 9-29 % more
-    at 16, and the same within noise at 1 (docs/benchmarks.md)."""
-    if requested is not None:
-        return requested
-    return remote or device != "cpu"
+    """Two lanes overlap one micro-batch's drafting with the other's verification: that pays
+    where the services compute apart, not when they share this CPU's cores (2 cores: one lane
+    served 27-28 % more tokens/s at concurrency 4, 9-29 % at 16; docs/benchmarks.md)."""
+    return (remote or device != "cpu") if requested is None else requested
 
 
 def _serve_remote(
@@ -186,8 +160,7 @@ def _serve_remote(
         verify_deadline=args.verify_deadline,
         control_deadline=args.control_deadline,
         max_steps_per_call=args.max_steps_per_call,
-        # the drafter asks the verifier for hidden rows over the plane (both services run
-        # with --plane); the gateway's own calls stay inline
+        # the drafter takes hidden rows over the plane; the gateway's own calls stay inline
         use_data_plane=args.data_plane != "grpc" and drafter_addr is not None,
         tls=config.services_tls(),
     )
@@ -197,13 +170,7 @@ def _serve_remote(
         print(banner(config, backend.default_method), flush=True)
         print(f"verifier {verifier_addr}, drafter {drafter_addr or 'none'}", flush=True)
 
-    app = create_app(backend, tokenizer, config, ready)
-    serve(app, config, args.log_level, drain_seconds=args.drain_seconds)
-
-
-SERVE_MODES: Mapping[str, Callable[[argparse.Namespace, GatewayConfig], None]] = MappingProxyType(
-    {"embedded": _serve_embedded, "services": _serve_services}
-)
+    serve(create_app(backend, tokenizer, config, ready), config, args.log_level, args.drain_seconds)
 
 
 def _config_eos(model_path: Path) -> int | None:

@@ -1,20 +1,11 @@
-"""The gateway's Prometheus metrics (prefix ``lyanna_``): what it records for each request.
+"""The gateway's Prometheus metrics (prefix ``lyanna_``), recorded per request.
 
-Names, types, labels, help texts and buckets come from ``services.metric_registry``, the one
-registry of the three processes' metrics (``docs/metrics.md`` and the Grafana dashboard are
-checked against it). Semantics follow vLLM's speculative-decoding and request metrics: a
-*draft step* is a verification of one request with at least one draft token (vLLM's
-``num_drafts``), so ``1 + accepted_tokens_total / draft_steps_total`` is vLLM's mean acceptance
-length (``lyanna.stats.SpecStats.draft_acceptance_length``); a verification without a draft
-token (root-only: target-only, gated-off or quiet steps, drafter fallbacks) counts in
-``lyanna_spec_root_only_steps_total`` instead, so the two add up to the verifications; position
-``p`` of
-``lyanna_spec_accepted_tokens_per_position_total`` counts steps whose draft token at depth
-``p + 1`` was accepted. Backends never touch Prometheus: the gateway records what each
-``TokenDelta`` carries. Every series has the labels ``method``, ``model`` and ``service``
-(the deployment mode: ``embedded`` or ``services``). Each ``GatewayMetrics`` owns its own
-``CollectorRegistry``, so two gateways in one process (tests) never collide.
-"""
+Names, types, labels, help texts and buckets come from ``services.metric_registry`` (the one
+registry of the three processes' metrics; docs/metrics.md says what each means). Semantics
+follow vLLM: a *draft step* verified at least one draft token, so ``1 + accepted_tokens_total
+/ draft_steps_total`` is vLLM's mean acceptance length; a root-only verification counts in
+``lyanna_spec_root_only_steps_total`` instead. Labels: ``method``, ``model`` and ``service``
+(the deployment mode). Each ``GatewayMetrics`` owns its registry (two gateways in a test)."""
 
 from __future__ import annotations
 
@@ -74,7 +65,7 @@ class GatewayMetrics:
         return {"method": method, "model": self.model, "service": self.service}
 
     def prime(self, method: str) -> None:
-        """Create ``method``'s counters and gauges at zero (those without a per-position or
+        """``method``'s counters and gauges at zero (those without a per-position or
         per-reason label), so scrapes and dashboards see the names before any request."""
         labels = self.labels(method)
         for metric in (
@@ -128,23 +119,21 @@ class GatewayMetrics:
             self.drafter_fallbacks.labels(**labels).inc()
 
     def serve(self, host: str, port: int):
-        """Export on a port of its own when ``port >= 0`` (0: a free one), the way the
-        services do, so a NetworkPolicy can keep it to Prometheus: the HTTP server (its
-        ``server_port``; ``shutdown()`` stops it), or None."""
+        """The HTTP server exporting on a port of its own when ``port >= 0`` (0: a free one;
+        a NetworkPolicy can keep it to Prometheus), else None."""
         if port < 0:
             return None
         server, _ = start_http_server(port, addr=host, registry=self.registry)
         return server
 
     def exposition(self) -> tuple[bytes, str]:
-        """The text exposition format and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
 @dataclass(slots=True)
 class RequestTracker:
-    """One request's lifecycle in the metrics (waiting -> running -> finished) and its
-    speculation summary for the response's usage block."""
+    """One request in the metrics (waiting -> running -> finished), and its speculation
+    summary for the usage block."""
 
     metrics: GatewayMetrics
     method: str
@@ -189,8 +178,7 @@ class RequestTracker:
             m.generation_tokens.labels(**labels).inc(num_sent_tokens)
 
     def reject(self, reason: str) -> None:
-        """The backend refused the request before its first token (a 429): it leaves the
-        waiting gauge and is counted as rejected, not as finished; idempotent."""
+        """A 429 before the first token: rejected, not finished; idempotent."""
         if self.finished:
             return
         self.finished = True

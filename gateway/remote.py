@@ -1,19 +1,16 @@
 """The remote backend: ``gateway.adapter.EngineBackend`` over ``remote_engine.RemoteEngine``
-(the drafter and verifier gRPC services; admission, lanes, drafter sync, fallback and resume
-are the engine's, its docstring says how)."""
+(the gRPC services; admission, lanes, drafter sync, fallback and resume are the engine's)."""
 
 from __future__ import annotations
 
 import secrets
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from gateway.adapter import EngineBackend
 from gateway.backend import BackendUnavailable, GenerationRequest
-from lyanna.scheduler import Scheduler
 from lyanna.sequence import Sequence
 from remote_engine import RemoteConfig, RemoteEngine, Unavailable
-from remote_engine.drafter import DrafterLink
 
 __all__ = ["RemoteBackend", "RemoteConfig"]
 
@@ -21,8 +18,6 @@ T = TypeVar("T")
 
 
 class RemoteBackend(EngineBackend):
-    """``GenerationBackend`` over the gRPC services (see the module docstring)."""
-
     def __init__(
         self,
         config: RemoteConfig,
@@ -34,47 +29,12 @@ class RemoteBackend(EngineBackend):
         self._eos, self._detokenize = eos_token_ids, detokenize
         self.engine = RemoteEngine(config)
 
-    # what the services said at start (the engine's view)
-
-    @property
-    def default_method(self) -> str:
-        return self.engine.default_method
-
-    @property
-    def methods(self) -> tuple[str, ...]:
-        return self.engine.methods
-
-    @property
-    def max_context(self) -> int:
-        return self.engine.max_context
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.vocab_size
-
-    @property
-    def scheduler(self) -> Scheduler:
-        return self.engine.scheduler
-
-    @property
-    def drafter(self) -> DrafterLink | None:
-        return self.engine.drafter
-
-    @property
-    def num_verified_steps(self) -> int:
-        return self.engine.num_verified_steps
-
-    @property
-    def num_verify_calls(self) -> int:
-        return self.engine.num_verify_calls
-
-    @property
-    def num_fallback_steps(self) -> int:
-        return self.engine.num_fallback_steps
-
-    @property
-    def num_resumed(self) -> int:
-        return self.engine.num_resumed
+    def __getattr__(self, name: str) -> Any:
+        """The engine's view of the services (``default_method``, ``methods``,
+        ``max_context``) and its counters (``scheduler``, ``drafter``, ``num_*``)."""
+        if name.startswith("_") or name == "engine":
+            raise AttributeError(name)
+        return getattr(self.engine, name)
 
     def on_services(self, make: Callable[[RemoteEngine], Awaitable[T]]) -> Awaitable[T]:
         """``make(engine)`` awaited where the engine's gRPC channels live (its own loop)."""
@@ -96,13 +56,7 @@ class RemoteBackend(EngineBackend):
         return await self.on_services(lambda engine: engine.health())
 
     def _sequence(self, request: GenerationRequest, method: str) -> Sequence:
-        return Sequence(
-            # an id no other client can guess (63 random bits: a collision among even a
-            # million live sequences has probability ~1e-7), so none can release another's
-            secrets.randbits(63),
-            list(request.prompt_ids),
-            request.params,
-            self._eos,
-            self._detokenize,
-            method=method,
-        )
+        # an id no other client can guess (63 random bits: a collision among even a million
+        # live sequences has probability ~1e-7), so none can release another's
+        seq_id, prompt = secrets.randbits(63), list(request.prompt_ids)
+        return Sequence(seq_id, prompt, request.params, self._eos, self._detokenize, method=method)

@@ -1,20 +1,14 @@
-"""OpenAI request bodies (pydantic, strict types: a string where a number belongs is a 400,
-never a silent coercion) and the response / stream-chunk builders.
+"""OpenAI request bodies (pydantic, strict: a string where a number belongs is a 400, never
+a silent coercion) and the response builders.
 
-No field is accepted and ignored: an unknown field is a 400 naming it (as OpenAI answers
-"Unrecognized request argument"), and so is a known one Lyanna does not implement (tools,
-``response_format``, ``suffix``, ``n`` > 1, ``best_of`` > 1): a client asking for JSON mode
-or tool calls must not get free text with a 200. The logits processors (``presence_penalty``,
-``frequency_penalty``, ``logit_bias``, ``top_k``), chat ``logprobs`` / ``top_logprobs`` and
-completions ``logprobs`` (0-5 alternatives) are implemented (``lyanna.sampling``).
-``lyanna_method`` picks the speculative method of one request (experiments); the usage block
-carries a ``lyanna`` extra with the method and the request's mean acceptance length.
-"""
+No field is accepted and ignored: an unknown field is a 400 naming it, and so is a known one
+Lyanna does not implement (tools, ``response_format``, ...): a client asking for JSON mode or
+tool calls must not get free text with a 200. ``lyanna_method`` picks one request's method;
+the usage block carries a ``lyanna`` extra (method, mean acceptance length)."""
 
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -121,66 +115,18 @@ class CompletionRequest(_Generation):
         return self.max_tokens
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
 def usage(prompt_tokens: int, completion_tokens: int, spec: dict) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "lyanna": spec,
-    }
+    total = prompt_tokens + completion_tokens
+    tokens = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+    return {**tokens, "total_tokens": total, "lyanna": spec}
 
 
-def chat_response(
-    rid: str,
-    model: str,
-    text: str,
-    finish_reason: str,
-    usage_: dict,
-    logprobs: dict | None = None,
-) -> dict:
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
-        ],
-        "usage": usage_,
-    }
-
-
-def chat_chunk(
-    rid: str,
-    model: str,
-    delta: dict | None,
-    finish_reason: str | None = None,
-    usage_: dict | None = None,
-    with_usage_field: bool = False,
-    logprobs: dict | None = None,
-) -> dict:
-    """One ``chat.completion.chunk``; ``delta=None`` is the usage-only chunk (no choices)."""
-    chunk: dict = {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": []
-        if delta is None
-        else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
-    }
-    if with_usage_field or usage_ is not None:
-        chunk["usage"] = usage_
-    return chunk
+def response(rid: str, model: str, kind: str, choice: dict | None, **usage_: dict | None) -> dict:
+    """A response or stream chunk of object ``kind`` with one choice (None: no choices, the
+    usage-only chunk); a ``usage`` field only where one is passed."""
+    choices = [] if choice is None else [{"index": 0, **choice}]
+    body = {"id": rid, "object": kind, "created": int(time.time()), "model": model}
+    return {**body, "choices": choices, **usage_}
 
 
 def chat_logprobs(entries: list, token_text) -> dict:
@@ -215,27 +161,3 @@ def completion_logprobs(entries: list, token_text, offset: int) -> dict:
         "top_logprobs": [{token_text(t): lp for t, lp in e.top} for e in entries],
         "text_offset": offsets,
     }
-
-
-def completion_response(
-    rid: str,
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    usage_: dict | None,
-    logprobs: dict | None = None,
-) -> dict:
-    """A ``text_completion`` (also each streamed chunk: ``finish_reason`` None until the end,
-    ``usage`` only where it belongs)."""
-    body: dict = {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        ],
-    }
-    if usage_ is not None:
-        body["usage"] = usage_
-    return body

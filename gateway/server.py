@@ -1,20 +1,18 @@
 """Assembling and running a gateway: the embedded backend on a model directory, uvicorn in the
 foreground (``lyanna serve``) or in a background thread on a free port (tests, benchmarks).
 
-Draining: the first SIGTERM (or SIGINT) starts a drain instead of closing the listener:
-``/readyz`` answers 503 at once (the load balancer stops sending), every new API request gets
-503 with ``Retry-After`` (a client retries elsewhere), and the streams in flight run to their
-end, for at most ``drain_seconds``; then uvicorn shuts down (cutting what is left) and the
-backend stops. A second signal stops at once. Kubernetes' ``preStop`` sleep runs before the
-SIGTERM, while the endpoint is being removed (deploy/k8s/base/gateway.yaml)."""
+The first SIGTERM (or SIGINT) drains instead of closing the listener: ``/readyz`` answers 503
+(the load balancer stops sending), new API requests get 503 with ``Retry-After`` (clients
+retry elsewhere), and streams in flight run on for at most ``drain_seconds``; then uvicorn
+shuts down and the backend stops. A second signal stops at once. Kubernetes' ``preStop``
+sleep runs before the SIGTERM (deploy/k8s/base/gateway.yaml)."""
 
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,20 +20,20 @@ from typing import Any
 import torch
 import uvicorn
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.embedded import EmbeddedBackend, EmbeddedConfig
 from gateway.errors import error_response
 from lyanna.model.transformer import Transformer
+from services.launch import free_port
 
+__all__ = ["LoadedModel", "ThreadedServer", "embedded_app", "eos_ids", "free_port", "load"]
 log = logging.getLogger(__name__)
 
 DRAIN_SECONDS = 60.0  # default bound on a drain: streams longer than this are cut
-# paths that keep answering while draining (probes, scrapes); /readyz answers 503
-PROBE_PATHS = frozenset({"/livez", "/health", "/metrics"})
-Scope = MutableMapping[str, Any]
-ASGIApp = Callable[[Scope, Callable, Callable], Awaitable[None]]
+PROBE_PATHS = frozenset({"/livez", "/health", "/metrics"})  # answer while draining
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +49,7 @@ def load(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> LoadedModel:
-    """The target model and its tokenizer (default: SmolLM2-135M-Instruct, fetched once);
-    ``weights``, ``device`` and ``dtype`` as in ``lyanna.model.load_model``."""
+    """The target and its tokenizer (default: SmolLM2-135M-Instruct, fetched once)."""
     from lyanna.model import fetch_default_model, load_model
     from lyanna.tokenizer import load_tokenizer
 
@@ -76,46 +73,30 @@ def embedded_app(
     return create_app(backend, loaded.tokenizer, config, on_ready)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 class DrainGate:
-    """An ASGI wrapper that counts the API requests in flight (a stream counts until its last
-    byte) and, once ``draining``, answers ``/readyz`` and new API requests with 503."""
+    """ASGI wrapper: counts the API requests in flight (a stream until its last byte) and,
+    once ``draining``, answers ``/readyz`` and new API requests with 503."""
 
-    def __init__(self, app: ASGIApp, retry_after: int = 1) -> None:
-        self.app = app
-        self.retry_after = retry_after
-        self.draining = False
-        self.in_flight = 0
+    def __init__(self, app: FastAPI) -> None:
+        self.app, self.draining, self.in_flight = app, False, 0
 
     @property
     def state(self) -> Any:  # the wrapped app's state (tests reach the backend through it)
         return self.app.state
 
-    async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":  # lifespan: start and stop the backend as before
-            await self.app(scope, receive, send)
-            return
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         path = scope.get("path", "")
-        if self.draining and path not in PROBE_PATHS:
+        probe = scope["type"] != "http" or path in PROBE_PATHS  # lifespan passes through
+        if self.draining and not probe:
             if path == "/readyz":
-                from fastapi.responses import JSONResponse
-
                 response = JSONResponse({"status": "draining"}, status_code=503)
             else:
-                response = error_response(
-                    503,
-                    "the server is shutting down; retry on another replica",
-                    code="draining",
-                    headers={"Retry-After": str(self.retry_after)},
-                )
+                message = "the server is shutting down; retry on another replica"
+                retry = {"Retry-After": "1"}
+                response = error_response(503, message, code="draining", headers=retry)
             await response(scope, receive, send)
             return
-        counted = path not in PROBE_PATHS and path != "/readyz"
+        counted = not probe and path != "/readyz"
         self.in_flight += counted
         try:
             await self.app(scope, receive, send)
@@ -124,32 +105,30 @@ class DrainGate:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn whose first exit signal drains (``DrainGate``) for up to ``drain_seconds``
-    before it shuts down; a second signal shuts down at once."""
+    """uvicorn whose first exit signal drains; a second one shuts down at once."""
 
-    def __init__(self, config: uvicorn.Config, gate: DrainGate, drain_seconds: float) -> None:
-        super().__init__(config)
-        self.gate, self.drain_seconds = gate, drain_seconds
+    def __init__(self, app: FastAPI, host: str, port: int, log_level: str, drain: float) -> None:
+        self.gate, self.drain_seconds = DrainGate(app), drain
         self.drain_deadline: float | None = None
+        # the drain already let the streams finish: what is left after it is cut quickly
+        config = uvicorn.Config(
+            self.gate, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
+        )
+        super().__init__(config)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self.gate.draining or self.drain_seconds <= 0:
             super().handle_exit(sig, frame)
-            return
-        self.begin_drain()
+        else:
+            self.begin_drain()
 
     def begin_drain(self) -> None:
-        """Readiness off and new requests refused now; shut down once nothing is in flight
-        or ``drain_seconds`` have passed."""
         if self.gate.draining:
             return
         self.gate.draining = True
         self.drain_deadline = time.monotonic() + self.drain_seconds
-        log.info(
-            "draining: %d request(s) in flight, at most %.0f s",
-            self.gate.in_flight,
-            self.drain_seconds,
-        )
+        in_flight = self.gate.in_flight
+        log.info("draining: %d request(s) in flight, at most %.0f s", in_flight, self.drain_seconds)
 
     async def on_tick(self, counter: int) -> bool:
         if await super().on_tick(counter):
@@ -165,21 +144,6 @@ class DrainingServer(uvicorn.Server):
         return False
 
 
-def draining_server(
-    app: FastAPI,
-    host: str,
-    port: int,
-    log_level: str = "info",
-    drain_seconds: float = DRAIN_SECONDS,
-) -> DrainingServer:
-    gate = DrainGate(app)
-    # the drain already let the streams finish: what is left after it is cut quickly
-    config = uvicorn.Config(
-        gate, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
-    )
-    return DrainingServer(config, gate, drain_seconds)
-
-
 def serve(
     app: FastAPI,
     config: GatewayConfig,
@@ -187,12 +151,11 @@ def serve(
     drain_seconds: float = DRAIN_SECONDS,
 ) -> None:
     """Run until SIGINT/SIGTERM, drain (see the module docstring), then stop the backend."""
-    draining_server(app, config.host, config.port, log_level, drain_seconds).run()
+    DrainingServer(app, config.host, config.port, log_level, drain_seconds).run()
 
 
 class ThreadedServer:
-    """uvicorn in a daemon thread (its own event loop); ``url`` once ``start`` returns;
-    ``drain`` does what SIGTERM does to ``serve``."""
+    """uvicorn in a daemon thread (its own event loop); ``drain`` does what SIGTERM does."""
 
     def __init__(
         self,
@@ -202,12 +165,16 @@ class ThreadedServer:
         drain_seconds: float = DRAIN_SECONDS,
     ) -> None:
         self.app, self.host, self.port = app, host, port or free_port(host)
-        self._server = draining_server(app, self.host, self.port, "warning", drain_seconds)
+        self._server = DrainingServer(app, self.host, self.port, "warning", drain_seconds)
         self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def in_flight(self) -> int:
+        return self._server.gate.in_flight
 
     def start(self, timeout: float = 120.0) -> ThreadedServer:
         self._thread.start()
@@ -218,13 +185,8 @@ class ThreadedServer:
             time.sleep(0.05)
         return self
 
-    def drain(self) -> None:
-        """Start a drain (the server stops by itself once it is over)."""
+    def drain(self) -> None:  # the server stops by itself once the drain is over
         self._server.begin_drain()
-
-    @property
-    def in_flight(self) -> int:
-        return self._server.gate.in_flight
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the server to stop; True when it has."""

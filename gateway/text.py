@@ -1,13 +1,10 @@
 """Incremental detokenization with stop strings for streaming.
 
-Output ids arrive in deltas of several tokens (one verification each). ``TextStream`` decodes
-the whole output each time and hands out only text that can no longer change: it holds back a
-trailing incomplete UTF-8 character (decoded as U+FFFD) and any suffix that could still grow
-into a stop string, and cuts the text before the first stop string (OpenAI semantics: the
-stop string itself is not returned). Example with ``stop=("END",)``: deltas decoding to
-``"abc E"`` then ``"abc EN"`` then ``"abc ENDx"`` yield ``"abc "``, ``""``, ``""`` and the
-stream is stopped with final text ``"abc "``.
-"""
+``TextStream`` decodes the whole output at each delta and hands out only text that can no
+longer change: it holds back a trailing incomplete UTF-8 character (U+FFFD) and any suffix
+that could still grow into a stop string, and cuts before the first stop string (OpenAI: the
+stop string is not returned). With ``stop=("END",)``, "abc E", "abc EN", "abc ENDx" yield
+"abc ", "", "" and stop."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from gateway.chat import ChatOptions, run_chat
+from client.chat import ChatOptions, run_chat
 from gateway.server import free_port
 
 
@@ -66,7 +66,7 @@ def test_chat_reports_an_unreachable_server(capsys) -> None:
 
 
 def test_chat_session_keeps_the_conversation(gateway, capsys) -> None:
-    from gateway.chat import ChatSession
+    from client.chat import ChatSession
 
     session = ChatSession(ChatOptions(url=gateway.url + "/v1", max_tokens=6, system="Be brief."))
     first = session.ask("Hello!")

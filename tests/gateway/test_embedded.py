@@ -11,9 +11,9 @@ import httpx
 import pytest
 import torch
 
+from gateway.adapter import settle
 from gateway.backend import BackendBusy, BackendUnavailable, GenerationRequest, TokenDelta
 from gateway.embedded import EmbeddedBackend, EmbeddedConfig
-from gateway.handover import settle
 from gateway.server import load
 from lyanna.drafters.base import NoDrafter
 from lyanna.sampling import SamplingParams

@@ -1,6 +1,6 @@
-"""``lyanna chat``: a small terminal client on the official ``openai`` package. It streams the
-answer, keeps the conversation, and after each answer prints tokens/s, time to first token
-and the speculative acceptance length the gateway reports in the final usage chunk."""
+"""``lyanna chat``: a terminal client on the official ``openai`` package. It streams each
+answer, keeps the conversation and prints tokens/s, time to first token and the acceptance
+length the gateway reports in the final usage chunk."""
 
 from __future__ import annotations
 
@@ -53,18 +53,13 @@ class ChatSession:
             base_url=options.url, api_key=options.api_key, default_headers=headers, max_retries=0
         )
         self.model = options.model or self.client.models.list().data[0].id
-        self.messages: list[dict] = []
-        if options.system:
-            self.messages.append({"role": "system", "content": options.system})
+        self.messages = [{"role": "system", "content": options.system}] if options.system else []
 
     def ask(self, prompt: str, out: TextIO | None = None) -> TurnStats:
         """Stream one answer to ``out`` (default stdout); the conversation keeps both turns."""
         out = out or sys.stdout
         self.messages.append({"role": "user", "content": prompt})
-        start = time.perf_counter()
-        first: float | None = None
-        parts: list[str] = []
-        usage = None
+        start, first, parts, usage = time.perf_counter(), None, [], None
         stream = self.client.chat.completions.create(
             model=self.model,
             messages=self.messages,
@@ -74,8 +69,7 @@ class ChatSession:
             stream_options={"include_usage": True},
         )
         for chunk in stream:
-            if chunk.usage is not None:
-                usage = chunk.usage
+            usage = chunk.usage or usage
             for choice in chunk.choices:
                 if choice.delta.content:
                     first = first or time.perf_counter()
@@ -87,36 +81,30 @@ class ChatSession:
         out.flush()
         self.messages.append({"role": "assistant", "content": "".join(parts)})
         spec = (usage.model_extra or {}).get("lyanna", {}) if usage is not None else {}
-        return TurnStats(
-            completion_tokens=usage.completion_tokens if usage is not None else len(parts),
-            seconds=end - start,
-            ttft_seconds=(first or end) - start,
-            acceptance_length=spec.get("acceptance_length"),
-            method=spec.get("method"),
-        )
+        tokens = usage.completion_tokens if usage is not None else len(parts)
+        accept, method = spec.get("acceptance_length"), spec.get("method")
+        return TurnStats(tokens, end - start, (first or end) - start, accept, method)
 
 
 def run_chat(options: ChatOptions, prompt: str | None = None) -> int:
     """One turn when ``prompt`` is given, else a conversation read line by line from stdin
-    (empty line or EOF ends it)."""
+    (an empty line or EOF ends it)."""
     try:
-        return _chat(options, prompt)
+        session = ChatSession(options)
+        if prompt is not None:
+            print(session.ask(prompt).line(), file=sys.stderr)
+            return 0
+        print(f"chatting with {session.model} at {options.url} (empty line or Ctrl-D quits)")
+        while line := _read("> "):
+            print(session.ask(line).line(), file=sys.stderr)
+        return 0
     except (APIConnectionError, APIError) as err:
         print(f"lyanna chat: {err}", file=sys.stderr)
         return 1
 
 
-def _chat(options: ChatOptions, prompt: str | None) -> int:
-    session = ChatSession(options)
-    if prompt is not None:
-        print(session.ask(prompt).line(), file=sys.stderr)
-        return 0
-    print(f"chatting with {session.model} at {options.url} (empty line or Ctrl-D quits)")
-    while True:
-        try:
-            line = input("> ").strip()
-        except EOFError:
-            return 0
-        if not line:
-            return 0
-        print(session.ask(line).line(), file=sys.stderr)
+def _read(prompt: str) -> str:
+    try:
+        return input(prompt).strip()
+    except EOFError:
+        return ""
