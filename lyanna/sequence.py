@@ -1,6 +1,9 @@
-"""Per-request decoding state: committed output tokens and the stop conditions (EOS, stop
-strings, max tokens). Shared by plain decoding and the speculative engine so both finish
-requests the same way."""
+"""Per-request decoding state, the one record of a request: its committed tokens (the prompt
+and the output, whose last token is the *next token*: decided, the root of the next tree, not
+yet in the target's KV) and the stop conditions (EOS, stop strings, max tokens). Shared by
+plain decoding, the speculative engine and the remote engine, so all of them finish requests
+the same way; other per-request views (``remote_engine.seq.RemoteSeq``) keep only their
+extras."""
 
 from __future__ import annotations
 
@@ -40,6 +43,24 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    # While a sequence decodes, every output token but the last is in the target's KV and
+    # the last is the next token (``append`` drops nothing until the sequence finishes).
+
+    @property
+    def next_token(self) -> int | None:
+        """The root of the next tree (None before the prefill decided the first token)."""
+        return self.output_ids[-1] if self.output_ids else None
+
+    @property
+    def num_committed(self) -> int:
+        """Tokens in the target's KV: the prompt and the output before the next token."""
+        return len(self.prompt_ids) + max(len(self.output_ids) - 1, 0)
+
+    def history(self) -> list[int]:
+        """The tokens in the target's KV (``num_committed`` of them): what a target or a
+        drafter that lost the sequence is started again from."""
+        return self.prompt_ids + self.output_ids[:-1]
 
     def append(self, tokens: list[int]) -> list[int]:
         """Commit newly decided tokens; returns those that belong to the output (EOS and

@@ -211,7 +211,7 @@ class DrafterLink:
         """(Re)start the drafter for ``seqs`` from their full history; False if it failed."""
         for seq in seqs:
             rows = sum(h.shape[0] for h in seq.hidden_history)
-            if self.needs_hidden and rows != seq.num_committed:
+            if self.needs_hidden and rows != seq.sequence.num_committed:
                 seq.use_drafter = False  # hidden states went over the data plane: no resync
         seqs = [s for s in seqs if s.use_drafter]
         try:
@@ -271,6 +271,6 @@ def _consistent(batch: list[RemoteSeq], response: drafter_pb2.StepResponse) -> b
         verified = result.verified
         if verified.ref.seq_id != seq.seq_id or not verified.tokens:
             return False
-        if verified.ref.num_committed != seq.num_committed + len(verified.committed):
+        if verified.ref.num_committed != seq.sequence.num_committed + len(verified.committed):
             return False
     return True

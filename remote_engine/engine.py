@@ -285,7 +285,8 @@ class RemoteEngine(StepLoop):
         def fits(sequence: Sequence, batch: list[Sequence]) -> bool:
             nonlocal budget
             seq = self._seqs[sequence.seq_id]
-            size = len(seq.history or sequence.prompt_ids) * self.hidden_row_bytes
+            # the rows of its prefill: the prompt, or (resuming) every committed token
+            size = sequence.num_committed * self.hidden_row_bytes
             wants = inline and self.drafter.wants_hidden(seq, True)
             if wants and size > self.config.max_hidden_bytes:
                 seq.use_drafter = seq.keep_hidden = False  # too large for any message
@@ -318,12 +319,10 @@ class RemoteEngine(StepLoop):
             if result.prompt_hidden.WhichOneof("payload") == "tensor":
                 rows = codec.decode_tensor(result.prompt_hidden.tensor)
                 seq.keep_rows(rows, self.config.max_hidden_bytes, fresh=True)
-            if seq.resume_by is not None:  # its history and next token are already known
+            if seq.resume_by is not None:  # its committed tokens and next token are known
                 seq.resume_by = None
                 self.num_resumed += 1
                 continue
-            seq.history = list(seq.sequence.prompt_ids)
-            seq.next_token = result.first_token
             item = self.scheduler.postprocess_prefill(seq.sequence, result.first_token)
             if result.HasField("first_logprob"):
                 item.logprobs = [codec.decode_logprob(result.first_logprob)][: len(item.tokens)]
@@ -423,7 +422,7 @@ class RemoteEngine(StepLoop):
             items.append(
                 verifier_pb2.VerifyItem(
                     ref=seq.ref(),
-                    tree=codec.root_only_tree(seq.next_token),
+                    tree=codec.root_only_tree(seq.sequence.next_token),
                     return_hidden=wants_hidden,
                     steps=steps,
                     free_drafts=seq.use_drafter or seq.verifier_drafts,  # (never for `ar`)
@@ -466,9 +465,9 @@ class RemoteEngine(StepLoop):
         return max(1, allowed)
 
     def _postprocess(self, ran: list[_Ran]) -> list[Emitted]:
-        """A lane's verifications, one decode step at a time: learned (history, next token,
-        hidden rows, what the drafter must hear) and committed by the scheduler. Tokens
-        decoded past a sequence's end are dropped with it."""
+        """A lane's verifications, one decode step at a time: learned (hidden rows, what the
+        drafter must hear) and committed by the scheduler (the sequence's committed tokens
+        and next token). Tokens decoded past a sequence's end are dropped with it."""
         fallback = {r.seq.seq_id: r.seq.use_drafter and not r.seq.quiet_step for r in ran}
         emitted: list[Emitted] = []
         for step in range(max((len(r.parts) for r in ran), default=0)):
@@ -495,10 +494,8 @@ class RemoteEngine(StepLoop):
         return emitted
 
     def _learn(self, seq: RemoteSeq, result: verifier_pb2.VerifyResult, direct: bool) -> None:
-        """Record a verification: history, next token, hidden rows, and (``direct``: one the
-        drafter did not relay) what the drafter must hear of it."""
-        seq.history.extend(result.committed)
-        seq.next_token = result.tokens[-1]
+        """Before the scheduler commits a verification to the sequence: keep its hidden rows
+        and (``direct``: one the drafter did not relay) tell the drafter link of it."""
         if seq.keep_hidden:
             if result.hidden.WhichOneof("payload") == "tensor":
                 rows = codec.decode_tensor(result.hidden.tensor)

@@ -1,11 +1,12 @@
 """Per-request state of the remote engine and the message builders it needs.
 
-A ``RemoteSeq`` mirrors what each service holds for one request: the committed tokens (the
-gateway's history is the source of truth), the next token, whether the drafter's state is in
-step (``drafter_synced``), the quiet steps the engine verified without the drafter and has yet
-to hand it and, when the drafter reads hidden states, every committed token's target hidden
-state so a drafter that lost the sequence (restart, failed step, deadline) can be started
-again from the full history.
+A request's committed tokens and next token live in its ``lyanna.sequence.Sequence`` (the
+engine's history is the source of truth for both services). A ``RemoteSeq`` keeps only what
+the remote engine adds to it: whether the drafter's state is in step (``drafter_synced``), the
+quiet steps the engine verified without the drafter and has yet to hand it, the resume
+bookkeeping after the verifier lost the sequence and, when the drafter reads hidden states,
+every committed token's target hidden state so a drafter that lost the sequence (restart,
+failed step, deadline) can be started again from the full history.
 """
 
 from __future__ import annotations
@@ -21,16 +22,14 @@ from services.pb import common_pb2, drafter_pb2, verifier_pb2
 
 @dataclass(slots=True, eq=False)
 class RemoteSeq:
-    sequence: Sequence  # output tokens, stop conditions and method
+    sequence: Sequence  # committed tokens, next token, stop conditions and method
     use_drafter: bool  # False: target-only steps ("ar", or the drafter cannot hold it)
     # the verifier drafts every step itself (free drafts: n-gram needs no model), no drafter
     verifier_drafts: bool = False
-    history: list[int] = field(default_factory=list)  # tokens in the target KV
-    next_token: int = -1  # decided, not yet in the KV: the next root
     hidden_history: list[torch.Tensor] = field(default_factory=list)  # each [n_i, hidden]
     keep_hidden: bool = False  # collect hidden_history (drafter needs hidden, inline mode)
     drafter_started: bool = False  # the drafter may hold state for it
-    drafter_synced: bool = False  # the drafter's state matches history + next_token
+    drafter_synced: bool = False  # the drafter's state matches the sequence's committed tokens
     # quiet steps (the drafter said it would not draft them): verified root-only directly
     # against the verifier; their verifications wait in ``unseen_steps`` for the next Step
     quiet_left: int = 0
@@ -44,13 +43,8 @@ class RemoteSeq:
     def seq_id(self) -> int:
         return self.sequence.seq_id
 
-    @property
-    def num_committed(self) -> int:
-        return len(self.history)
-
-    def ref(self, num_committed: int | None = None) -> common_pb2.SeqRef:
-        n = self.num_committed if num_committed is None else num_committed
-        return common_pb2.SeqRef(seq_id=self.seq_id, num_committed=n)
+    def ref(self) -> common_pb2.SeqRef:
+        return common_pb2.SeqRef(seq_id=self.seq_id, num_committed=self.sequence.num_committed)
 
     def desync(self) -> None:
         """The drafter's state for this sequence is unknown: start it again before drafting."""
@@ -60,16 +54,14 @@ class RemoteSeq:
     def prefill_item(self, return_hidden: bool) -> verifier_pb2.PrefillItem:
         """Prefill the prompt, or when resuming (after the verifier lost the sequence) every
         committed token, with the next token already decided and the tokens still allowed."""
-        params = self.sequence.params
+        sequence = self.sequence
+        params = sequence.params
         if self.resume_by is None:
-            prompt, next_token = self.sequence.prompt_ids, None
+            prompt, next_token = sequence.prompt_ids, None
         else:
-            left = max(1, params.max_tokens - len(self.sequence.output_ids))
-            prompt, next_token, params = (
-                self.history,
-                self.next_token,
-                replace(params, max_tokens=left),
-            )
+            left = max(1, params.max_tokens - len(sequence.output_ids))
+            prompt, next_token = sequence.history(), sequence.next_token
+            params = replace(params, max_tokens=left)
         return verifier_pb2.PrefillItem(
             seq_id=self.seq_id,
             prompt_ids=prompt,
@@ -101,8 +93,8 @@ class RemoteSeq:
         resync when an earlier Start may have reached it (its metrics count those apart)."""
         item = drafter_pb2.StartItem(
             ref=self.ref(),
-            prompt_ids=self.history,
-            first_token=self.next_token,
+            prompt_ids=self.sequence.history(),
+            first_token=self.sequence.next_token,
             params=codec.encode_params(self.sequence.params),
             resync=self.drafter_started,
         )
@@ -116,7 +108,7 @@ class RemoteSeq:
         seen), or verified root-only in the same forward (``drafted`` False)."""
         item = drafter_pb2.StepItem(
             ref=self.ref(),
-            next_token=self.next_token,
+            next_token=self.sequence.next_token,
             draft=drafted,
             want_draft_probs=drafted and not self.sequence.params.greedy,
             return_hidden=return_hidden,

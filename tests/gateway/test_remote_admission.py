@@ -69,7 +69,7 @@ def test_a_lost_sequence_stops_waiting_at_its_deadline_when_no_slot_comes_back()
     engine = engine_with(verifier, queue_timeout=0.3)
     try:
         seq = RemoteSeq(Sequence(7, [1, 2, 3], SamplingParams(max_tokens=8)), use_drafter=False)
-        seq.history, seq.next_token = [1, 2, 3], 4
+        seq.sequence.append([4])  # prefilled: 4 is its next token
         running(engine, seq)
         seq.resume_by = time.monotonic() + 0.3  # what a failed Verify sets
         start = time.monotonic()
@@ -161,7 +161,8 @@ def test_a_lost_sequence_is_prefilled_again_only_after_its_old_copy_is_released(
     engine = engine_with(verifier, queue_timeout=5)
     try:
         seq = RemoteSeq(Sequence(9, [1, 2], SamplingParams()), use_drafter=False)
-        seq.history, seq.next_token, seq.resume_by = [1, 2], 3, time.monotonic() + 5
+        seq.sequence.append([3])  # prefilled: 3 is its next token
+        seq.resume_by = time.monotonic() + 5
         running(engine, seq)
         engine._requeue([seq])
         admit_until(engine, lambda _: "prefill" in verifier.calls)

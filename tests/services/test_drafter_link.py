@@ -100,8 +100,9 @@ class ScriptedCall:
 
 def make_seq(seq_id: int = 1, method: str = "lyanna") -> RemoteSeq:
     sequence = Sequence(seq_id, [1, 2], SamplingParams(), method=method)
+    sequence.append([7])  # prefilled: [1, 2] committed, 7 the next token
     seq = RemoteSeq(sequence, method != "ar")
-    seq.history, seq.next_token, seq.keep_hidden = [1, 2], 7, method != "ar"
+    seq.keep_hidden = method != "ar"
     seq.hidden_history = [torch.zeros(2, 4)]
     return seq
 
@@ -115,20 +116,18 @@ def step(link: DrafterLink, batch: list[RemoteSeq]) -> drafter_pb2.StepResponse 
     response = asyncio.run(link.step(batch, ready))
     if response is not None:
         for seq, result in zip(batch, response.results, strict=True):
-            seq.history += list(result.verified.committed)
             seq.hidden_history.append(torch.zeros(len(result.verified.committed), 4))
-            seq.next_token = result.verified.tokens[-1]
+            seq.sequence.append(list(result.verified.tokens))  # the scheduler's commit
     return response
 
 
 def direct(seq: RemoteSeq, link: DrafterLink, token: int) -> None:
     """A root-only step verified directly against the verifier, hidden row inline."""
-    result = verifier_pb2.VerifyResult(committed=[seq.next_token], tokens=[token])
+    result = verifier_pb2.VerifyResult(committed=[seq.sequence.next_token], tokens=[token])
     result.hidden.tensor.dtype = "float32"
-    seq.history += list(result.committed)
     seq.hidden_history.append(torch.zeros(1, 4))
-    seq.next_token = token
-    link.learn(seq, result)
+    link.learn(seq, result)  # (the engine tells the link, then the scheduler commits)
+    seq.sequence.append([token])
 
 
 @pytest.fixture()
@@ -150,7 +149,7 @@ def test_start_then_one_step_per_step(link_and_stub) -> None:
     assert list(response.results[0].verified.committed) == [7, 3]
     step(link, [seq])
     assert stub.calls == ["Start", "Step", "Step"]  # nothing else per step
-    assert stub.requests[2].items[0].ref.num_committed == 4 and seq.num_committed == 6
+    assert stub.requests[2].items[0].ref.num_committed == 4 and seq.sequence.num_committed == 6
 
 
 def test_target_only_sequences_ride_along_root_only(link_and_stub) -> None:
@@ -194,7 +193,7 @@ def test_results_that_do_not_match_the_batch_are_never_trusted(link_and_stub) ->
     link, stub = link_and_stub
     seq = make_seq()
     stub.wrong_seq = True
-    assert step(link, [seq]) is None and not seq.drafter_synced and seq.num_committed == 2
+    assert step(link, [seq]) is None and not seq.drafter_synced and seq.sequence.num_committed == 2
     stub.wrong_seq = False
     assert step(link, [seq]) is not None
 
