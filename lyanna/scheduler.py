@@ -96,10 +96,12 @@ class Scheduler:
         return self.config.max_running - len(self.running)
 
     def add(self, sequence: Sequence) -> None:
-        """Queue a request; refused (ValueError) when it could never fit its KV slot."""
+        """Queue a request; refused (ValueError) when it could never fit its KV slot: the
+        admission bound of this scheduler's capacity (an HTTP intake checks the backend's
+        context first). The request itself was checked at the edge (the HTTP intake, the
+        gRPC codec): a prompt holds at least one token."""
+        assert sequence.prompt_ids, "an empty prompt (the edges refuse it)"
         needed = len(sequence.prompt_ids) + sequence.params.max_tokens
-        if not sequence.prompt_ids:
-            raise ValueError("the prompt must hold at least one token")
         if needed > self.config.max_context:
             raise ValueError(
                 f"prompt + max_tokens = {needed} exceeds the context of {self.config.max_context}"

@@ -158,14 +158,11 @@ class TargetRunner:
             raise OutOfStepError(f"sequence {seq_id} is already prefilled")
         # (requests are checked at the edges: the HTTP intake, the gRPC codec)
         assert prompt_ids and 0 <= prompt_len <= len(prompt_ids), "an empty prompt"
+        vocab = self.model.config.vocab_size
+        assert all(token < vocab for token, _ in params.logit_bias), "logit_bias past the vocab"
         if generator is None and not params.greedy:
             generator = params.make_generator()
         split = prompt_len or len(prompt_ids)
-        vocab = self.model.config.vocab_size
-        try:
-            params.check_vocab(vocab)
-        except ValueError as error:
-            raise ValueError(f"invalid sampling parameters: {error}") from None
         # the output so far: the decoded tokens a resumed sequence re-runs (none when fresh)
         counts = token_counts(prompt_ids[split:], vocab) if params.penalized else None
         slot = self.cache.allocate()

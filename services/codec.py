@@ -320,7 +320,9 @@ class StartJob:
     message: object  # the StartItem (its hidden rows: the drafter's receiver decodes them)
 
 
-def decode_start(request, vocab_size: int) -> list[StartJob]:
+def decode_start(request, vocab_size: int, needs_hidden: bool = False) -> list[StartJob]:
+    """Distinct sequences, known tokens, a committed length that is the prompt's and (a
+    drafter that reads hidden states: ``needs_hidden``) the prompt's hidden rows."""
     unique_ids([item.ref.seq_id for item in request.items], "Start")
     jobs = []
     for item in request.items:
@@ -328,6 +330,8 @@ def decode_start(request, vocab_size: int) -> list[StartJob]:
         prompt = check_tokens(item.prompt_ids, vocab_size, f"sequence {seq_id}: prompt ids")
         if not prompt or item.ref.num_committed != len(prompt):
             raise WireError(f"sequence {seq_id}: num_committed must equal the prompt length")
+        if needs_hidden and not item.HasField("prompt_hidden"):
+            raise WireError(f"sequence {seq_id}: this drafter needs prompt_hidden")
         first = check_tokens([item.first_token], vocab_size, "first_token")[0]
         params = checked_params(item.params, vocab_size) if item.HasField("params") else None
         jobs.append(StartJob(seq_id, prompt, first, params, item.resync, item))
@@ -344,9 +348,10 @@ class StepJob:
     message: object  # the StepItem
 
 
-def decode_step(request, vocab_size: int) -> list[StepJob]:
+def decode_step(request, vocab_size: int, needs_hidden: bool = False) -> list[StepJob]:
     """Distinct sequences, known tokens, at most MAX_QUIET_STEPS unseen steps each holding the
-    root and its accepted tokens, and a caller hop in [0, MAX_HOP_SECONDS]."""
+    root and its accepted tokens (and their hidden rows, for a drafter that reads hidden
+    states: ``needs_hidden``), and a caller hop in [0, MAX_HOP_SECONDS]."""
     if not 0 <= request.caller_hop_seconds <= MAX_HOP_SECONDS:  # (NaN fails too)
         raise WireError(f"caller_hop_seconds must be in [0, {MAX_HOP_SECONDS}]")
     unique_ids([item.ref.seq_id for item in request.items], "Step")
@@ -362,6 +367,8 @@ def decode_step(request, vocab_size: int) -> list[StepJob]:
                     f"sequence {seq_id}: committed must hold the root + accepted tokens"
                 )
             check_tokens([*step.committed, step.next_token], vocab_size, "unseen token ids")
+            if needs_hidden and item.draft and not step.HasField("hidden"):
+                raise WireError(f"sequence {seq_id}: this drafter needs unseen steps' hidden")
         jobs.append(
             StepJob(seq_id, item.ref.num_committed, root, item.draft, list(item.unseen), item)
         )

@@ -44,7 +44,6 @@ from services.server import (
     ServiceError,
     WatchedLock,
     caller_gone,
-    invalid,
     out_of_step,
     rpc_errors,
     run_service,
@@ -94,7 +93,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     @rpc_errors
     def Start(self, request, context) -> drafter_pb2.StartResponse:
-        jobs = codec.decode_start(request, self.vocab_size)
+        jobs = codec.decode_start(request, self.vocab_size, self.drafter.needs_hidden)
         with self._lock:
             try:
                 for job in jobs:
@@ -113,7 +112,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         deadline bounds and a failure retries whole, directly. Two events: ``drafted`` once
         the trees exist (the caller's proof this drafter is not stuck), then ``response``."""
         arrived = time.monotonic()
-        jobs = codec.decode_step(request, self.vocab_size)
+        jobs = codec.decode_step(request, self.vocab_size, self.drafter.needs_hidden)
         if self.verifier is None:
             raise out_of_step("this drafter has no verifier to verify through (--verifier)")
         self.leases.renew(job.seq_id for job in jobs)  # (an unknown one stays unknown)
@@ -230,10 +229,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return Unseen(list(step.committed), hidden, step.next_token)
 
     def _hidden(self, message, field: str, num_rows: int) -> torch.Tensor | None:
+        """The message's hidden rows when the drafter reads them (the codec checked that
+        they are there)."""
         if not self.drafter.needs_hidden:
             return None
-        if not message.HasField(field):
-            raise invalid(f"the {self.config.method} drafter needs {field}")
         return self.receiver.decode(getattr(message, field), num_rows)
 
     def _drop_all(self, seq_ids: list[int]) -> None:

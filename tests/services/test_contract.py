@@ -44,7 +44,7 @@ def test_the_bounds_are_the_proto_enums_values() -> None:
 def test_no_side_defines_its_own_copy() -> None:
     copies = sorted(
         f"{path.relative_to(ROOT)}: {name}"
-        for package in ("gateway", "services", "lyanna", "bench", "loadtests")
+        for package in ("gateway", "services", "remote_engine", "lyanna", "bench", "loadtests")
         for path in (ROOT / package).rglob("*.py")
         if str(path.relative_to(ROOT)) not in HOMES and "pb" not in path.parent.name
         for name in module_level_definitions(path) & set(CONSTANTS)

@@ -82,6 +82,17 @@ def test_the_codec_refuses_bad_verifies_and_steps() -> None:
     start = drafter_pb2.StartItem(ref=ref(1, 0), prompt_ids=[], first_token=1)
     with pytest.raises(WireError, match="prompt length"):
         codec.decode_start(drafter_pb2.StartRequest(items=[start]), VOCAB)
+    # a drafter that reads hidden states needs them with every start and unseen step
+    start = drafter_pb2.StartItem(ref=ref(1, 2), prompt_ids=[1, 2], first_token=3)
+    assert codec.decode_start(drafter_pb2.StartRequest(items=[start]), VOCAB)[0].first_token == 3
+    with pytest.raises(WireError, match="needs prompt_hidden"):
+        codec.decode_start(drafter_pb2.StartRequest(items=[start]), VOCAB, needs_hidden=True)
+    item = drafter_pb2.StepItem(ref=ref(1, 5), next_token=3, draft=True, unseen=[good])
+    assert codec.decode_step(drafter_pb2.StepRequest(items=[item]), VOCAB)[0].unseen == [good]
+    with pytest.raises(WireError, match="needs unseen steps' hidden"):
+        codec.decode_step(drafter_pb2.StepRequest(items=[item]), VOCAB, needs_hidden=True)
+    item.unseen[0].hidden.tensor.CopyFrom(codec.encode_tensor(torch.zeros(2, 4)))
+    codec.decode_step(drafter_pb2.StepRequest(items=[item]), VOCAB, needs_hidden=True)
 
 
 def test_the_verifier_does_no_work_for_a_request_the_codec_refuses() -> None:

@@ -1,5 +1,6 @@
 """The scheduler on its own (no model): FIFO admission by capacity (and by a driver's own
-bound), refusal of requests that could never fit, one accounting of each verification
+bound), refusal of requests that could never fit, the sequence as the record of committed
+tokens and the next token, one accounting of each verification
 (overall and per method, a local verdict or a verifier service's result alike), requeueing,
 retirement and abort."""
 
@@ -46,9 +47,23 @@ def test_refuses_a_request_that_cannot_fit_its_slot() -> None:
     scheduler.add(seq(0, max_tokens=10, prompt_len=10))  # exactly the context
     with pytest.raises(ValueError, match="exceeds the context of 20"):
         scheduler.add(seq(1, max_tokens=11, prompt_len=10))
-    with pytest.raises(ValueError, match="at least one token"):
+    with pytest.raises(AssertionError, match="empty prompt"):  # the edges refuse it
         scheduler.add(Sequence(2, [], SamplingParams()))
     assert len(scheduler.waiting) == 1
+
+
+def test_the_sequence_is_the_record_of_committed_tokens_and_the_next_token() -> None:
+    """Every output token but the last is in the target's KV; the last is the next root. The
+    remote engine's per-request state reads them here (it keeps no copy)."""
+    scheduler = Scheduler(SchedulerConfig(max_running=1, max_len=256))
+    scheduler.add(seq(0, "lyanna"))
+    [sequence] = scheduler.schedule_prefill()
+    assert (sequence.num_committed, sequence.next_token, sequence.history()) == (3, None, [1, 2, 3])
+    scheduler.postprocess_prefill(sequence, 7)
+    assert (sequence.num_committed, sequence.next_token, sequence.history()) == (3, 7, [1, 2, 3])
+    scheduler.postprocess([sequence], [verdict([8, 9], [2])])  # committed: 7 (root), 8
+    assert (sequence.num_committed, sequence.next_token) == (5, 9)
+    assert sequence.history() == [1, 2, 3, 7, 8] and sequence.output_ids == [7, 8, 9]
 
 
 def test_each_verification_is_counted_once_overall_and_per_method() -> None:
