@@ -25,7 +25,6 @@ from gateway.auth import KeyRing, StreamLimiter, TokenRateLimiter
 from gateway.backend import BackendBusy, GenerationBackend
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, error_response, install_error_handlers, invalid, stream_error
-from gateway.generation import ClientGone, Generation, unless_disconnected
 from gateway.intake import METHOD_HEADER, REQUEST_ID_HEADER, RequestBuilder, request_id_of
 from gateway.metrics import GatewayMetrics, RequestTracker
 from gateway.schemas import (
@@ -34,9 +33,8 @@ from gateway.schemas import (
     chat_logprobs,
     completion_logprobs,
     response,
-    usage,
 )
-from gateway.text import TextStream, make_detokenize
+from gateway.text import ClientGone, Generation, TextStream, make_detokenize, unless_disconnected
 
 SSE_DONE = "data: [DONE]\n\n"
 API_KEY_STATE = "lyanna_api_key"  # the matched key, in the request's scope state
@@ -191,11 +189,6 @@ def create_app(
             choice = {**content, "logprobs": lp, "finish_reason": finish}
             return response(rid, model, chunk_kind, choice, **null_usage)
 
-        def usage_of(generation: Generation) -> dict:
-            tracker = generation.tracker
-            prompt, output = tracker.num_prompt_tokens, tracker.num_output_tokens
-            return usage(prompt, output, generation.spec_summary())
-
         async def chunks(generation: Generation) -> AsyncIterator[str]:
             if chat:
                 yield sse(chunk("", None, None, {"role": "assistant", "content": ""}))
@@ -209,7 +202,7 @@ def create_app(
             lp = logprobs_of(generation.unsent_logprobs())
             yield sse(chunk("", generation.finish_reason, lp))
             if with_usage:
-                yield sse(response(rid, model, chunk_kind, None, usage=usage_of(generation)))
+                yield sse(response(rid, model, chunk_kind, None, usage=generation.usage()))
             yield SSE_DONE
 
         tracker = RequestTracker(metrics, prepared.method)
@@ -246,7 +239,7 @@ def create_app(
         content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
         finish, lp = generation.finish_reason or "stop", logprobs_of(generation.logprobs)
         choice = {**content, "logprobs": lp, "finish_reason": finish}
-        answer = response(rid, model, kind, choice, usage=usage_of(generation))
+        answer = response(rid, model, kind, choice, usage=generation.usage())
         headers["X-Lyanna-Acceptance-Length"] = f"{tracker.acceptance_length:.4f}"
         return JSONResponse(answer, headers=headers)
 

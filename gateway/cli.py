@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from gateway.device_args import add_placement_args, placement
 from lyanna.sampling import SamplingParams
@@ -24,15 +23,14 @@ def _cmd_fetch_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from gateway.server import load
     from lyanna.decode import generate
-    from lyanna.model import fetch_default_model, load_model
     from lyanna.sequence import Sequence
-    from lyanna.tokenizer import chat_prompt_ids, load_tokenizer
+    from lyanna.tokenizer import chat_prompt_ids
 
     device, dtype = placement(args)
-    model_path = Path(args.model) if args.model else fetch_default_model()
-    model = load_model(model_path, dtype, device, weights=args.weights)
-    tokenizer = load_tokenizer(model_path)
+    loaded = load(args.model, args.weights, device, dtype)
+    model, tokenizer = loaded.model, loaded.tokenizer
     params = SamplingParams(
         args.temperature, args.top_p, args.max_tokens, seed=args.seed, stop=tuple(args.stop)
     )
@@ -40,7 +38,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         seq_id=0,
         prompt_ids=chat_prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}]),
         params=params,
-        eos_token_ids=frozenset({tokenizer.eos_token_id, model.config.eos_token_id} - {None}),
+        eos_token_ids=loaded.eos_token_ids,
         detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
     )
     stats = generate(model, [sequence])
@@ -110,22 +108,13 @@ def _add_serve(sub) -> None:
     serve.add_argument("--max-running", type=int, default=8, help="running sequences per engine")
     serve.add_argument("--max-len", type=int, default=2048, help="KV rows per sequence")
     serve.add_argument("--max-waiting", type=int, default=64, help="queue bound (then 429)")
-    serve.add_argument(
-        "--api-keys-file",
-        help="API keys, one per line, reloaded when the file changes (env LYANNA_API_KEYS_FILE; "
-        "LYANNA_API_KEYS adds comma-separated keys)",
-    )
-    serve.add_argument(
-        "--max-streams-per-key",
-        type=int,
-        help="requests in flight per API key, then 429 (env LYANNA_MAX_STREAMS_PER_KEY; 0: none)",
-    )
-    serve.add_argument(
-        "--max-tokens-per-minute-per-key",
-        type=int,
-        help="prompt + output tokens per API key per minute, then 429 "
-        "(env LYANNA_MAX_TOKENS_PER_MINUTE_PER_KEY; 0: none)",
-    )
+    for flag, kind, help in (  # defaults from the environment through GatewayConfig
+        ("--api-keys-file", str, "API keys, one per line, reloaded when the file changes"),
+        ("--max-streams-per-key", int, "requests in flight per API key, then 429; 0: none"),
+        ("--max-tokens-per-minute-per-key", int, "tokens per API key per minute, then 429"),
+    ):
+        env = "LYANNA_" + flag.lstrip("-").replace("-", "_").upper()
+        serve.add_argument(flag, type=kind, help=f"{help} (env {env})")
     remote = "services mode:"
     for flag, kind, default, help in (
         ("--queue-timeout", float, 60.0, "seconds a request may wait for a slot (then 429)"),

@@ -49,11 +49,8 @@ Metrics: {base}/metrics   Health: {base}/health"""
 
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    overrides = {
-        name: getattr(args, name)
-        for name in ("host", "port", "mode", "api_keys_file", "max_streams_per_key")
-    }
-    overrides["max_tokens_per_minute_per_key"] = args.max_tokens_per_minute_per_key
+    names = ("host", "port", "mode", "api_keys_file", "max_streams_per_key")
+    overrides = {name: getattr(args, name) for name in (*names, "max_tokens_per_minute_per_key")}
     if args.model:
         overrides["model_name"] = Path(args.model).stem
     config = GatewayConfig.from_env(**overrides)
@@ -70,15 +67,8 @@ def run_serve(args: argparse.Namespace) -> int:
     # cost curve; larger batches take every core
 
     torch.set_num_threads(serving_threads(args.threads))
-    embedded = EmbeddedConfig(
-        default_method=args.method,
-        max_running=args.max_running,
-        max_len=args.max_len,
-        max_waiting=args.max_waiting,
-        queue_timeout=args.queue_timeout,
-        tree=args.tree,
-        threads=args.threads,
-    )
+    names = ("max_running", "max_len", "max_waiting", "queue_timeout", "tree", "threads")
+    embedded = EmbeddedConfig(args.method, **{name: getattr(args, name) for name in names})
     device, dtype = placement(args)
     loaded = load(args.model, args.weights, device=device, dtype=dtype)
 
@@ -148,21 +138,17 @@ def _serve_remote(
 ) -> None:
     from gateway.remote import RemoteBackend, RemoteConfig
 
+    names = ("max_running", "max_waiting", "queue_timeout", "max_steps_per_call")
+    names += ("draft_deadline", "verify_deadline", "control_deadline")
     remote = RemoteConfig(
         verifier_addr=verifier_addr,
         drafter_addr=drafter_addr,
         method=method or args.method,
         pipeline=use_pipeline(args.pipeline, remote=bool(args.verifier_addr), device=args.device),
-        max_running=args.max_running,
-        max_waiting=args.max_waiting,
-        queue_timeout=args.queue_timeout,
-        draft_deadline=args.draft_deadline,
-        verify_deadline=args.verify_deadline,
-        control_deadline=args.control_deadline,
-        max_steps_per_call=args.max_steps_per_call,
         # the drafter takes hidden rows over the plane; the gateway's own calls stay inline
         use_data_plane=args.data_plane != "grpc" and drafter_addr is not None,
         tls=config.services_tls(),
+        **{name: getattr(args, name) for name in names},
     )
     backend = RemoteBackend(remote, eos, make_detokenize(tokenizer))
 

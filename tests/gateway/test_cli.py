@@ -168,3 +168,11 @@ def test_services_mode_passes_device_and_dtype_to_both_services(tiny_chat_dir, m
             flags = dict(zip(service_args[::2], service_args[1::2], strict=True))
             assert (flags["--device"], flags["--dtype"]) == ("cpu", "bf16")
     assert calls and calls[0][0] == "lyanna"  # then each fallback method, all refused here
+
+
+def test_generate_answers_one_prompt(tiny_chat_dir, capsys) -> None:
+    from gateway.cli import main
+
+    argv = ["generate", "--prompt", "Hi", "--model", str(tiny_chat_dir), "--max-tokens", "4"]
+    assert main(argv) == 0
+    assert "tokens/s, finish:" in capsys.readouterr().err
