@@ -27,11 +27,11 @@ from bench.common import load_questions, print_table, question_prompt, set_threa
 from lyanna.drafters import TARGET_ONLY
 from lyanna.drafters.base import NoDrafter
 from lyanna.engine import EngineConfig, SpecEngine
-from lyanna.model import fetch_default_model, load_model
 from lyanna.model.transformer import Transformer
 from lyanna.sampling import SamplingParams
 from lyanna.scheduler import TREE_MARGIN
 from lyanna.sequence import Sequence
+from lyanna.serving_model import load
 from lyanna.target import prefill_prompt
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -82,14 +82,10 @@ def main() -> None:
     global clock
     clock = CLOCKS[args.clock]
 
-    from lyanna.tokenizer import load_tokenizer
-
-    path = fetch_default_model()
-    model = load_model(path, weights=args.weights)
-    tokenizer = load_tokenizer(path)
+    loaded = load(weights=args.weights)
+    model, tokenizer, eos = loaded.model, loaded.tokenizer, loaded.eos_token_ids
     questions = load_questions(per_category=args.per_category)[: args.prompts]
     prompts = [question_prompt(tokenizer, q) for q in questions]
-    eos = frozenset({tokenizer.eos_token_id})
     loops = {"minimal loop": minimal_greedy, "engine (ar)": engine_greedy}
     engine_greedy(model, prompts[0], 8, eos)  # warm both
     minimal_greedy(model, prompts[0], 8, eos)

@@ -33,6 +33,7 @@ from lyanna.model import fetch_default_model, load_model
 from lyanna.model.default import gguf_path
 from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence
+from lyanna.serving_model import config_eos, eos_ids
 from lyanna.tokenizer import load_tokenizer
 
 NEW_TOKENS = (1, 2, 4, 8, 16)
@@ -223,7 +224,7 @@ def main() -> None:
     skip = set(filter(None, args.skip.split(",")))
     model_dir = fetch_default_model()
     tokenizer = load_tokenizer(model_dir)
-    eos = frozenset({tokenizer.eos_token_id})
+    eos = eos_ids(tokenizer, config_eos(model_dir))
     prompts = [
         question_prompt(tokenizer, q) for q in load_questions(per_category=args.per_category)
     ]

@@ -13,12 +13,11 @@ import torch
 
 from bench.common import load_questions, print_table, question_prompt
 from lyanna.decode import generate
-from lyanna.model import fetch_default_model, load_model
 from lyanna.model.calibrate import forward_seconds
 from lyanna.model.default import gguf_path
 from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence
-from lyanna.tokenizer import load_tokenizer
+from lyanna.serving_model import load
 
 CACHE_LEN = 256
 NEW_TOKENS = (1, 2, 4, 8, 16, 32, 64)
@@ -65,9 +64,8 @@ def main() -> None:
     parser.add_argument("--per-category", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
-    model_dir = fetch_default_model()
-    model = load_model(model_dir)
-    tokenizer = load_tokenizer(model_dir)
+    loaded = load(weights="fp32")
+    model, tokenizer, eos = loaded.model, loaded.tokenizer, loaded.eos_token_ids
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     table = forward_table(model)
     print(f"\nForward over a {CACHE_LEN}-token cache (median, LM head on every new row):\n")
@@ -77,7 +75,6 @@ def main() -> None:
     )
     questions = load_questions(per_category=args.per_category)
     prompts = [question_prompt(tokenizer, q) for q in questions]
-    eos = frozenset({tokenizer.eos_token_id})
     lean = lean_ar(model, prompts, args.max_tokens, eos)
     ref = transformers_ar(prompts, args.max_tokens)
     print(

@@ -149,11 +149,12 @@ def engine_decode(model, builds: dict, args: argparse.Namespace) -> None:
     from lyanna.engine import EngineConfig, SpecEngine
     from lyanna.sampling import SamplingParams
     from lyanna.sequence import Sequence
+    from lyanna.serving_model import eos_ids
     from lyanna.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(fetch_default_model())
     prompts = [question_prompt(tokenizer, q) for q in load_questions(per_category=1)]
-    eos = frozenset({tokenizer.eos_token_id})
+    eos = eos_ids(tokenizer, model.config.eos_token_id)
     methods = args.engine.split(",")
     drafters = {
         m: NoDrafter() if m == "ar" else make_drafter(m, model, tree_budget(m, model))

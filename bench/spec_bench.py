@@ -43,12 +43,11 @@ from gateway.device_args import placement
 from lyanna.drafters import DRAFTERS, MODEL_FREE_METHODS, DraftBudget, Drafter, make_drafter
 from lyanna.drafters.gate import DRAFT_SOURCES
 from lyanna.engine import EngineConfig, SpecEngine
-from lyanna.model import fetch_default_model, load_model
 from lyanna.model.transformer import Transformer
 from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence
+from lyanna.serving_model import load
 from lyanna.stats import SpecStats
-from lyanna.tokenizer import load_tokenizer
 
 
 @dataclass(slots=True)
@@ -157,13 +156,11 @@ class BenchSetup:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> BenchSetup:
-        model_dir = fetch_default_model()
-        tokenizer = load_tokenizer(model_dir)
+        loaded = load(None, weights, device, dtype)
         by_category: dict[str, list[list[int]]] = defaultdict(list)
         for q in load_questions(questions, per_category):
-            by_category[q["category"]].append(question_prompt(tokenizer, q))
-        model = load_model(model_dir, dtype=dtype, device=device, weights=weights)
-        return cls(model, frozenset({tokenizer.eos_token_id}), dict(by_category))
+            by_category[q["category"]].append(question_prompt(loaded.tokenizer, q))
+        return cls(loaded.model, loaded.eos_token_ids, dict(by_category))
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, questions: Path = SPEC_BENCH) -> BenchSetup:

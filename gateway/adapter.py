@@ -23,12 +23,12 @@ from gateway.backend import (
     BackendBusy,
     BackendUnavailable,
     GenerationRequest,
-    StepFacts,
     TokenDelta,
 )
 from lyanna.engine import StepLoop
 from lyanna.scheduler import Emitted
 from lyanna.sequence import Sequence
+from lyanna.step_facts import StepFacts
 
 logger = logging.getLogger(__name__)
 

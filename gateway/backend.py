@@ -7,12 +7,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from lyanna.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from lyanna.scheduler import Emitted
+from lyanna.step_facts import StepFacts
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,37 +19,6 @@ class GenerationRequest:
     prompt_ids: list[int]
     params: SamplingParams  # the gateway applies params.stop on the text; backends may ignore it
     method: str | None = None  # a name from lyanna.drafters.DRAFTERS; None = server default
-
-
-@dataclass(frozen=True, slots=True)
-class StepFacts:
-    """What one verification of this request did (for metrics and ``lyanna chat``)."""
-
-    method: str
-    num_drafted: int  # draft nodes verified (tree size minus the root)
-    num_accepted: int  # accepted draft tokens; acceptance length = num_accepted + 1
-    num_resampled_accepted: int = 0  # accepted tokens that came from a re-sampled subtree
-    draft_seconds: float = 0.0  # drafting time of the micro-batch holding this request
-    verify_seconds: float = 0.0  # its verification forward's time
-    drafter_fallback: bool = False  # the drafter was down or late: target-only step
-    fallback_drafted: bool = False  # a gated learned drafter's free n-gram fallback drafted it
-
-    @classmethod
-    def of(cls, item: Emitted) -> StepFacts:
-        """From a local ``Verdict`` or a verifier's ``VerifyResult`` (which counts drafts)."""
-        verdict = item.verdict
-        drafted = getattr(verdict, "num_drafted", None)
-        drafted = sum(verdict.num_drafted_per_depth) if drafted is None else drafted
-        return cls(
-            method=item.sequence.method,
-            num_drafted=drafted,
-            num_accepted=verdict.num_accepted,
-            num_resampled_accepted=item.num_resampled_accepted,
-            fallback_drafted=item.source == "fallback" and drafted > 0,
-            draft_seconds=item.timing.draft_seconds,
-            verify_seconds=item.timing.verify_seconds,
-            drafter_fallback=item.drafter_fallback,
-        )
 
 
 @dataclass(frozen=True, slots=True)

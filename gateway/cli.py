@@ -23,9 +23,9 @@ def _cmd_fetch_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from gateway.server import load
     from lyanna.decode import generate
     from lyanna.sequence import Sequence
+    from lyanna.serving_model import load
     from lyanna.tokenizer import chat_prompt_ids
 
     device, dtype = placement(args)

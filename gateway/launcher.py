@@ -12,7 +12,6 @@ printing the URL and an example ``curl`` once the backend is ready.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -21,8 +20,9 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.device_args import placement
 from gateway.embedded import EmbeddedConfig
-from gateway.server import embedded_app, load, serve
+from gateway.server import embedded_app, serve
 from gateway.text import make_detokenize
+from lyanna.serving_model import load
 from lyanna.threads import serving_threads
 
 logger = logging.getLogger(__name__)
@@ -81,13 +81,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _serve_services(args: argparse.Namespace, config: GatewayConfig) -> None:
-    from lyanna.model import fetch_default_model
+    from lyanna.serving_model import config_eos, eos_ids, model_path
     from lyanna.tokenizer import load_tokenizer
-    from services.launch import LaunchError, launch
+    from services.launch import launch_first
 
-    model_path = Path(args.model) if args.model else fetch_default_model()
-    tokenizer = load_tokenizer(model_path)
-    eos = frozenset({tokenizer.eos_token_id, _config_eos(model_path)} - {None})
+    path = model_path(args.model)
+    tokenizer = load_tokenizer(path)
+    eos = eos_ids(tokenizer, config_eos(path))
     if args.verifier_addr:  # the services run elsewhere (deploy/k8s): connect, start nothing
         _serve_remote(args, config, tokenizer, eos, args.verifier_addr, args.drafter_addr)
         return
@@ -97,23 +97,15 @@ def _serve_services(args: argparse.Namespace, config: GatewayConfig) -> None:
     target = ("--weights", args.weights, "--device", args.device, "--dtype", args.dtype)
     # the verifier gets --threads when set (else every CPU or LYANNA_VERIFIER_TORCH_THREADS)
     threads = ("--torch-threads", str(args.threads)) if args.threads else ()
-    for method in dict.fromkeys((args.method, *FALLBACK_METHODS)):
-        try:
-            deployment = launch(
-                model_path,
-                method=method,
-                verifier_args=(*capacity, *target, *threads),
-                drafter_args=(*capacity, *target, "--tree", args.tree),
-                plane=args.data_plane,
-            )
-        except LaunchError as err:
-            logger.warning("the drafter service cannot start with %r: %s", method, err)
-            continue
-        if method != args.method:
-            logger.warning("serving %r instead of %r", method, args.method)
-        break
-    else:
-        raise RuntimeError("no method could start the drafter service")
+    deployment, method = launch_first(
+        path,
+        (args.method, *FALLBACK_METHODS),
+        verifier_args=(*capacity, *target, *threads),
+        drafter_args=(*capacity, *target, "--tree", args.tree),
+        plane=args.data_plane,
+    )
+    if method != args.method:
+        logger.warning("serving %r instead of %r", method, args.method)
     with deployment:
         logger.info("service logs in %s", deployment.log_dir)
         addrs = (deployment.verifier_addr, deployment.drafter_addr)
@@ -157,12 +149,3 @@ def _serve_remote(
         print(f"verifier {verifier_addr}, drafter {drafter_addr or 'none'}", flush=True)
 
     serve(create_app(backend, tokenizer, config, ready), config, args.log_level, args.drain_seconds)
-
-
-def _config_eos(model_path: Path) -> int | None:
-    """The EOS id of an HF directory's config.json (a .gguf carries it in the tokenizer)."""
-    config = model_path / "config.json"
-    if not config.is_file():
-        return None
-    eos = json.loads(config.read_text()).get("eos_token_id")
-    return eos[0] if isinstance(eos, list) else eos

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest, start_http_server
 
-from gateway.backend import StepFacts, TokenDelta
+from gateway.backend import TokenDelta
 from lyanna.stats import acceptance_length
+from lyanna.step_facts import StepFacts
 from services.metric_registry import GATEWAY
 
 MAX_POSITIONS = 32  # per-position series beyond this depth are folded into the last one

@@ -13,11 +13,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import torch
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
@@ -26,41 +23,14 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.embedded import EmbeddedBackend, EmbeddedConfig
 from gateway.errors import error_response
-from lyanna.model.transformer import Transformer
+from lyanna.serving_model import LoadedModel
 from services.launch import free_port
 
-__all__ = ["LoadedModel", "ThreadedServer", "embedded_app", "eos_ids", "free_port", "load"]
+__all__ = ["ThreadedServer", "embedded_app", "free_port"]
 log = logging.getLogger(__name__)
 
 DRAIN_SECONDS = 60.0  # default bound on a drain: streams longer than this are cut
 PROBE_PATHS = frozenset({"/livez", "/health", "/metrics"})  # answer while draining
-
-
-@dataclass(frozen=True, slots=True)
-class LoadedModel:
-    model: Transformer
-    tokenizer: Any
-    eos_token_ids: frozenset[int]
-
-
-def load(
-    model_dir: str | Path | None = None,
-    weights: str = "auto",
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> LoadedModel:
-    """The target and its tokenizer (default: SmolLM2-135M-Instruct, fetched once)."""
-    from lyanna.model import fetch_default_model, load_model
-    from lyanna.tokenizer import load_tokenizer
-
-    path = Path(model_dir) if model_dir else fetch_default_model()
-    model = load_model(path, dtype, device, weights=weights)
-    tokenizer = load_tokenizer(path)
-    return LoadedModel(model, tokenizer, eos_ids(tokenizer, model))
-
-
-def eos_ids(tokenizer: Any, model: Transformer) -> frozenset[int]:
-    return frozenset({tokenizer.eos_token_id, model.config.eos_token_id} - {None})
 
 
 def embedded_app(

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from gateway.backend import TokenDelta
 from gateway.metrics import RequestTracker
 from gateway.schemas import usage
+from lyanna.stop_strings import find_stop, partial_stop_suffix
 
 REPLACEMENT = "\ufffd"
 Detokenize = Callable[[list[int]], str]
@@ -54,7 +55,7 @@ class TextStream:
             self.stopped = True
             return self._hand_out(full[:cut])
         end = len(full.rstrip(REPLACEMENT))
-        end -= self._partial_stop_suffix(full[:end])
+        end -= partial_stop_suffix(full[:end], self._stop)
         return self._hand_out(full[:end])
 
     def flush(self) -> str:
@@ -74,21 +75,8 @@ class TextStream:
         return delta
 
     def _find_stop(self, full: str) -> int | None:
-        if not self._stop:
-            return None
-        start = max(0, len(self.text) - self._longest_stop)
-        hits = [i for s in self._stop if (i := full.find(s, start)) >= 0]
-        return min(hits) if hits else None
-
-    def _partial_stop_suffix(self, text: str) -> int:
-        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-        longest = 0
-        for stop in self._stop:
-            for k in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:k]):
-                    longest = k
-                    break
-        return longest
+        start = max(0, len(self.text) - self._longest_stop)  # handed-out text held none
+        return find_stop(full, self._stop, start)
 
 
 T = TypeVar("T")

@@ -334,18 +334,16 @@ def greedy_references(
     numerics), stopped at EOS like the gateway: (text as the gateway decodes it, tokens)."""
     import torch
 
-    from gateway.launcher import _config_eos
     from gateway.text import make_detokenize
     from lyanna.decode import generate
-    from lyanna.model.loader import load_model
     from lyanna.sampling import SamplingParams
     from lyanna.sequence import Sequence
-    from lyanna.tokenizer import chat_prompt_ids, load_tokenizer
+    from lyanna.serving_model import load
+    from lyanna.tokenizer import chat_prompt_ids
 
     torch.set_num_threads(1)
-    tokenizer = load_tokenizer(model_dir)
-    model = load_model(model_dir, weights="auto")
-    eos = frozenset({tokenizer.eos_token_id, _config_eos(model_dir)} - {None})
+    loaded = load(model_dir, weights="auto")
+    model, tokenizer, eos = loaded.model, loaded.tokenizer, loaded.eos_token_ids
     ids = [chat_prompt_ids(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     seqs = [Sequence(i, p, SamplingParams(max_tokens=max_tokens), eos) for i, p in enumerate(ids)]
     generate(model, seqs)

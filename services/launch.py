@@ -43,6 +43,7 @@ call ``launch``/``restart`` from a long-lived thread (the main thread, typically
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -62,6 +63,7 @@ from services.config import PARENT_PID_ENV
 from services.tls import ClientTls, sync_channel
 
 SERVICES = ("verifier", "drafter")
+log = logging.getLogger(__name__)
 
 
 class LaunchError(RuntimeError):
@@ -258,6 +260,17 @@ def launch(
         deployment.stop()
         raise
     return deployment
+
+
+def launch_first(model: str | Path, methods: Sequence[str], **kwargs) -> tuple[Deployment, str]:
+    """``launch`` with the first of ``methods`` whose drafter starts (a missing checkpoint
+    refuses one; each refusal is logged): the deployment and that method."""
+    for method in dict.fromkeys(methods):
+        try:
+            return launch(model, method, **kwargs), method
+        except LaunchError as err:
+            log.warning("the drafter service cannot start with %r: %s", method, err)
+    raise LaunchError(f"no method of {list(methods)} could start the drafter service")
 
 
 def thread_flags(torch_threads: int | None, env: Mapping[str, str]) -> dict[str, list[str]]:

@@ -13,12 +13,13 @@ import pytest
 
 from gateway.config import GatewayConfig
 from gateway.embedded import EmbeddedConfig
-from gateway.server import LoadedModel, ThreadedServer, embedded_app, eos_ids
+from gateway.server import ThreadedServer, embedded_app
 from gateway.text import make_detokenize
 from lyanna.decode import generate
 from lyanna.model.loader import export_hf_dir
 from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence
+from lyanna.serving_model import LoadedModel, eos_ids
 from tests.conftest import make_tiny_model
 from tests.unit.test_loader import hf_state_of
 
@@ -33,7 +34,8 @@ def chat_model():
 
 @pytest.fixture(scope="session")
 def loaded(chat_model, default_tokenizer) -> LoadedModel:
-    return LoadedModel(chat_model, default_tokenizer, eos_ids(default_tokenizer, chat_model))
+    eos = eos_ids(default_tokenizer, chat_model.config.eos_token_id)
+    return LoadedModel(chat_model, default_tokenizer, eos)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

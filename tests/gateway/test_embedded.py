@@ -14,9 +14,9 @@ import torch
 from gateway.adapter import settle
 from gateway.backend import BackendBusy, BackendUnavailable, GenerationRequest, TokenDelta
 from gateway.embedded import EmbeddedBackend, EmbeddedConfig
-from gateway.server import load
 from lyanna.drafters.base import NoDrafter
 from lyanna.sampling import SamplingParams
+from lyanna.serving_model import load
 from tests.gateway.conftest import MODEL_NAME, plain_greedy, start_gateway
 
 

@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = (
     "lyanna",
     "gateway",
+    "client",
     "remote_engine",
     "services",
     "training",
