@@ -3,9 +3,10 @@ models, health and Prometheus metrics, in front of any ``GenerationBackend``.
 
 A request is validated and tokenized (``intake``), then the route waits for its first delta
 before answering, so a full queue is a 429 and a dead backend a 503, never a broken stream.
-``Guard``, in front of every route, checks API keys and per-key limits on ``/v1/``, bounds
-the body and counts every response. ``X-Lyanna-Method`` or ``lyanna_method`` picks one
-request's method; a client's ``X-Request-Id`` is echoed and carried by the response id.
+``Guard``, in front of every route, drains (``gateway.server``), checks API keys and per-key
+limits on ``/v1/``, bounds the body and counts every response. ``X-Lyanna-Method`` or
+``lyanna_method`` picks one request's method; a client's ``X-Request-Id`` is echoed and
+carried by the response id.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -41,20 +43,35 @@ API_KEY_STATE = "lyanna_api_key"  # the matched key, in the request's scope stat
 METHOD_STATE = "lyanna_method"  # the request's method once the intake chose it (metrics)
 # component states under which the gateway still serves (a drafter in fallback: target-only)
 SERVING_STATES = ("degraded:", "fallback:")
+PROBE_PATHS = frozenset({"/livez", "/health", "/metrics"})  # answer while draining
 
 
 def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
+@dataclass(slots=True)
+class Drain:
+    """Shared by ``Guard`` and the server that drains: once ``draining``, ``/readyz`` and new
+    API requests get 503; ``in_flight`` counts API requests (a stream until its last byte)."""
+
+    draining: bool = False
+    in_flight: int = 0
+
+
 class Guard:
-    """ASGI middleware: API keys on ``/v1/`` (and ``/metrics`` when configured), each key's
-    requests in flight and tokens per minute, request body bytes; counts every response."""
+    """ASGI middleware: the drain, API keys on ``/v1/`` (and ``/metrics`` if configured), each
+    key's requests in flight and tokens per minute, body bytes; counts every response."""
 
     def __init__(
-        self, app, config: GatewayConfig, tokens: TokenRateLimiter, metrics: GatewayMetrics
+        self,
+        app,
+        config: GatewayConfig,
+        tokens: TokenRateLimiter,
+        metrics: GatewayMetrics,
+        drain: Drain,
     ) -> None:
-        self.app, self.config, self.metrics = app, config, metrics
+        self.app, self.config, self.metrics, self.drain = app, config, metrics, drain
         self._keys = KeyRing(config.api_keys, config.api_keys_file)
         self._streams = StreamLimiter(config.max_streams_per_key)
         self._tokens = tokens  # charged by the routes when a request finishes
@@ -75,6 +92,21 @@ class Guard:
                 self.metrics.reject(code)
             await error_response(status, message, None, code, headers)(scope, receive, counted)
 
+        path = scope["path"]
+        if self.drain.draining and path == "/readyz":
+            await JSONResponse({"status": "draining"}, 503)(scope, receive, counted)
+        elif self.drain.draining and path not in PROBE_PATHS:
+            message = "the server is shutting down; retry on another replica"
+            await refuse(503, message, "draining", {"Retry-After": "1"})
+        else:
+            request = path not in PROBE_PATHS and path != "/readyz"  # in flight while it runs
+            self.drain.in_flight += request
+            try:
+                await self._guard(scope, receive, counted, refuse, state)
+            finally:
+                self.drain.in_flight -= request
+
+    async def _guard(self, scope, receive, counted, refuse, state: dict) -> None:
         path = scope["path"]
         headers = dict(scope.get("headers", ()))
         guarded = path.startswith("/v1/") or (path == "/metrics" and self.config.metrics_need_key)
@@ -151,9 +183,9 @@ def create_app(
     hidden = {} if config.openapi else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="Lyanna", version="0.1.0", lifespan=lifespan, **hidden)
     tokens = TokenRateLimiter(config.max_tokens_per_minute_per_key)
-    app.add_middleware(Guard, config=config, tokens=tokens, metrics=metrics)
+    app.state.metrics, app.state.backend, app.state.drain = metrics, backend, Drain()
+    app.add_middleware(Guard, config=config, tokens=tokens, metrics=metrics, drain=app.state.drain)
     install_error_handlers(app)
-    app.state.metrics, app.state.backend = metrics, backend
 
     async def serve(request: Request, body: ChatCompletionRequest | CompletionRequest) -> Response:
         """Both generation routes: intake, queueing, then a whole answer or an SSE stream."""

@@ -17,12 +17,10 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.embedded import EmbeddedBackend, EmbeddedConfig
-from gateway.errors import error_response
 from lyanna.serving_model import LoadedModel
 from services.launch import free_port
 
@@ -30,7 +28,6 @@ __all__ = ["ThreadedServer", "embedded_app", "free_port"]
 log = logging.getLogger(__name__)
 
 DRAIN_SECONDS = 60.0  # default bound on a drain: streams longer than this are cut
-PROBE_PATHS = frozenset({"/livez", "/health", "/metrics"})  # answer while draining
 
 
 def embedded_app(
@@ -43,61 +40,30 @@ def embedded_app(
     return create_app(backend, loaded.tokenizer, config, on_ready)
 
 
-class DrainGate:
-    """ASGI wrapper: counts the API requests in flight (a stream until its last byte) and,
-    once ``draining``, answers ``/readyz`` and new API requests with 503."""
-
-    def __init__(self, app: FastAPI) -> None:
-        self.app, self.draining, self.in_flight = app, False, 0
-
-    @property
-    def state(self) -> Any:  # the wrapped app's state (tests reach the backend through it)
-        return self.app.state
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        path = scope.get("path", "")
-        probe = scope["type"] != "http" or path in PROBE_PATHS  # lifespan passes through
-        if self.draining and not probe:
-            if path == "/readyz":
-                response = JSONResponse({"status": "draining"}, status_code=503)
-            else:
-                message = "the server is shutting down; retry on another replica"
-                retry = {"Retry-After": "1"}
-                response = error_response(503, message, code="draining", headers=retry)
-            await response(scope, receive, send)
-            return
-        counted = not probe and path != "/readyz"
-        self.in_flight += counted
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.in_flight -= counted
-
-
 class DrainingServer(uvicorn.Server):
     """uvicorn whose first exit signal drains; a second one shuts down at once."""
 
     def __init__(self, app: FastAPI, host: str, port: int, log_level: str, drain: float) -> None:
-        self.gate, self.drain_seconds = DrainGate(app), drain
+        self.drain, self.drain_seconds = app.state.drain, drain  # gateway.app.Guard drains
         self.drain_deadline: float | None = None
         # the drain already let the streams finish: what is left after it is cut quickly
         config = uvicorn.Config(
-            self.gate, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
+            app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
         )
         super().__init__(config)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if self.gate.draining or self.drain_seconds <= 0:
+        if self.drain.draining or self.drain_seconds <= 0:
             super().handle_exit(sig, frame)
         else:
             self.begin_drain()
 
     def begin_drain(self) -> None:
-        if self.gate.draining:
+        if self.drain.draining:
             return
-        self.gate.draining = True
+        self.drain.draining = True
         self.drain_deadline = time.monotonic() + self.drain_seconds
-        in_flight = self.gate.in_flight
+        in_flight = self.drain.in_flight
         log.info("draining: %d request(s) in flight, at most %.0f s", in_flight, self.drain_seconds)
 
     async def on_tick(self, counter: int) -> bool:
@@ -105,11 +71,11 @@ class DrainingServer(uvicorn.Server):
             return True
         if self.drain_deadline is None:
             return False
-        if self.gate.in_flight == 0:
+        if self.drain.in_flight == 0:
             log.info("drained")
             return True
         if time.monotonic() >= self.drain_deadline:
-            log.warning("drain bound reached; cutting %d request(s)", self.gate.in_flight)
+            log.warning("drain bound reached; cutting %d request(s)", self.drain.in_flight)
             return True
         return False
 
@@ -144,7 +110,7 @@ class ThreadedServer:
 
     @property
     def in_flight(self) -> int:
-        return self._server.gate.in_flight
+        return self._server.drain.in_flight
 
     def start(self, timeout: float = 120.0) -> ThreadedServer:
         self._thread.start()
