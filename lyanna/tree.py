@@ -19,6 +19,7 @@ from, after the same temperature/top-p processing as the target (`lyanna.samplin
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -338,6 +339,11 @@ def _ancestor_mask(paths: list[tuple[int, ...]]) -> torch.Tensor:  # [n, n] bool
     return mask
 
 
+@functools.cache
+def _causal(width: int) -> torch.Tensor:  # [width, width] bool, lower triangle (read-only)
+    return torch.ones(width, width, dtype=torch.bool).tril_()
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class PackedTrees:
     """A batch of trees padded to one tree-forward. Padding nodes get token `pad_token`, the
@@ -369,21 +375,26 @@ def pack_trees(
         raise ValueError("cannot pack an empty batch")
     offsets = offsets.tolist() if isinstance(offsets, torch.Tensor) else list(offsets)
     batch, width = len(trees), max(t.num_nodes for t in trees)
-    tokens, positions, mask_b, mask_i, mask_j = [], [], [], [], []
-    for b, (tree, offset) in enumerate(zip(trees, offsets, strict=True)):
-        pad = width - tree.num_nodes
-        tokens.append([*tree.token_list, *[pad_token] * pad])
-        positions.append([offset + d for d in tree.depth_list] + [offset] * pad)
-        for i, path in enumerate(tree._paths):
-            mask_b += [b] * len(path)
-            mask_i += [i] * len(path)
-            mask_j += path
-        padding = range(tree.num_nodes, width)  # padding nodes attend only to themselves
-        mask_b += [b] * pad
-        mask_i += padding
-        mask_j += padding
-    mask = torch.zeros(batch, width, width, dtype=torch.bool)
-    mask[mask_b, mask_i, mask_j] = True
+    if all(t.max_depth == width - 1 for t in trees):  # chains of one length (the 4-bit CPU
+        # default: one draft token a step): the causal mask, no scatter to build
+        tokens = [list(tree.token_list) for tree in trees]
+        positions = [list(range(offset, offset + width)) for offset in offsets]
+        mask = _causal(width).expand(batch, width, width).clone()
+    else:
+        tokens, positions, flat = [], [], []
+        for b, (tree, offset) in enumerate(zip(trees, offsets, strict=True)):
+            pad = width - tree.num_nodes
+            tokens.append([*tree.token_list, *[pad_token] * pad])
+            positions.append([offset + d for d in tree.depth_list] + [offset] * pad)
+            base = b * width * width
+            for i, path in enumerate(tree._paths):  # mask[b, i, j] for j on i's path
+                row = base + i * width
+                flat += [row + j for j in path]
+            # padding nodes attend only to themselves
+            flat += [base + i * (width + 1) for i in range(tree.num_nodes, width)]
+        mask = torch.zeros(batch * width * width, dtype=torch.bool)
+        mask[torch.tensor(flat, dtype=torch.int64)] = True  # one index tensor, not three
+        mask = mask.view(batch, width, width)
     return PackedTrees(
         tokens=torch.tensor(tokens, dtype=torch.int64),
         positions=torch.tensor(positions, dtype=torch.int64),

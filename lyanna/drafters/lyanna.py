@@ -250,8 +250,10 @@ class LyannaDrafter(SampledDrafting):
     def _chains(self, states: list[_SeqState]) -> torch.Tensor:  # [B, N, n]
         """h1 from the pending context, then h2..hN from the chain alone."""
         draft, cache, place = self.draft, self.cache, self.placement
-        slots = torch.tensor([s.slot for s in states])  # CPU bookkeeping, as the target's
         h = self._context(states)
+        if self.budget.depth == 1:  # h1 alone (the 4-bit CPU default): no chain step to run
+            return h[:, None]
+        slots = torch.tensor([s.slot for s in states])  # CPU bookkeeping, as the target's
         context_len = [s.next_position for s in states]
         chain = [h]
         for step in range(1, self.budget.depth):
