@@ -19,12 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from gateway.backend import (
-    BackendBusy,
-    BackendUnavailable,
-    GenerationRequest,
-    TokenDelta,
-)
+from gateway.backend import BackendBusy, BackendUnavailable, GenerationRequest, TokenDelta
 from lyanna.engine import StepLoop
 from lyanna.scheduler import Emitted
 from lyanna.sequence import Sequence
