@@ -40,7 +40,14 @@ from bench.common import (
     set_threads,
 )
 from gateway.device_args import placement
-from lyanna.drafters import DRAFTERS, MODEL_FREE_METHODS, DraftBudget, Drafter, make_drafter
+from lyanna.drafters import (
+    DRAFTERS,
+    MODEL_FREE_METHODS,
+    TARGET_ONLY,
+    DraftBudget,
+    Drafter,
+    make_drafter,
+)
 from lyanna.drafters.gate import DRAFT_SOURCES
 from lyanna.engine import EngineConfig, SpecEngine
 from lyanna.model.transformer import Transformer
@@ -204,9 +211,9 @@ def run_methods(
     acceptance rule at temperature > 0 (default: its trees' scheme default)."""
     factories = factories or {}
     reference = reference if reference is not None else ArReference()
-    methods = [m for m in dict.fromkeys(methods) if m != "ar"]
+    methods = [m for m in dict.fromkeys(methods) if m != TARGET_ONLY]
     if not reference.tallies:
-        methods = ["ar", *methods]
+        methods = [TARGET_ONLY, *methods]
     ar_outputs, ar_tallies = reference.outputs, reference.tallies
     longest = max(len(p) for ps in setup.prompts.values() for p in ps)
     config = EngineConfig(max_running=batch_size, max_len=longest + params.max_tokens + TREE_ROWS)
@@ -239,11 +246,11 @@ def run_methods(
                 )
                 tallies[method].add(part)
                 outputs[method] += outs
-        if "ar" in methods:
-            ar_outputs[category], ar_tallies[category] = outputs["ar"], tallies["ar"]
+        if TARGET_ONLY in methods:
+            ar_outputs[category], ar_tallies[category] = outputs[TARGET_ONLY], tallies[TARGET_ONLY]
         for method in methods:
             tally = tallies[method]
-            if method != "ar" and params.greedy:
+            if method != TARGET_ONLY and params.greedy:
                 mismatches[method] += sum(
                     a != b for a, b in zip(outputs[method], ar_outputs[category], strict=True)
                 )
@@ -266,7 +273,7 @@ def run_methods(
             "greedy_mismatches": mismatches[method] if params.greedy else None,
         }
         results[method].update(results[method]["overall"])
-        if method == "ar":  # plain decoding drafts nothing: no share to speak of
+        if method == TARGET_ONLY:  # plain decoding drafts nothing: no share to speak of
             for summary in (results[method], results[method]["overall"], *per_cat[method].values()):
                 summary["learned_step_share"] = None
     return results
@@ -354,7 +361,7 @@ def main() -> None:
             if args.fallback == "both":
                 methods.insert(methods.index(m) + 1, name)
     if args.gate != "on":
-        for m in [m for m in methods if m != "ar"]:
+        for m in [m for m in methods if m != TARGET_ONLY]:
             name = m if args.gate == "off" else f"{m}-ungated"
             factories[name] = lambda m=m: make_drafter(m, setup.model, budget_of(m), gate=False)
             if args.gate == "both":

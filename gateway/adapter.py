@@ -228,7 +228,10 @@ class EngineBackend:
             return deadline
         try:
             self.engine.submit(command.sequence)
-        except ValueError as err:
+        except Exception as err:  # past the edges the core asserts: fail this request only
+            if not isinstance(err, ValueError):
+                logger.error("submit failed", exc_info=err)
+                err = BackendUnavailable("the engine refused the request (logged)")
             self._deliver(command, err)
             return deadline
         self._handles[command.sequence.seq_id] = command

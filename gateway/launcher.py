@@ -22,12 +22,13 @@ from gateway.device_args import placement
 from gateway.embedded import EmbeddedConfig
 from gateway.server import embedded_app, serve
 from gateway.text import make_detokenize
+from lyanna.drafters import TARGET_ONLY
 from lyanna.serving_model import load
 from lyanna.threads import serving_threads
 
 logger = logging.getLogger(__name__)
 
-FALLBACK_METHODS = ("eagle", "ngram", "ar")
+FALLBACK_METHODS = ("eagle", "ngram", TARGET_ONLY)
 
 
 def banner(config: GatewayConfig, method: str) -> str:

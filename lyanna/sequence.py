@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lyanna.sampling import SamplingParams
+from lyanna.stop_strings import find_stop
 
 Detokenize = Callable[[list[int]], str]
 
@@ -83,11 +84,8 @@ class Sequence:
     def _hit_stop_string(self) -> bool:
         text = self.detokenize(self.output_ids)
         longest = max(len(s) for s in self.params.stop)
-        window_start = max(0, len(text) - longest - 16)
-        hits = [i for s in self.params.stop if (i := text.find(s, window_start)) >= 0]
-        if hits:
-            self.text_end = min(hits)
-        return bool(hits)
+        self.text_end = find_stop(text, self.params.stop, max(0, len(text) - longest - 16))
+        return self.text_end is not None
 
     def output_text(self) -> str:
         text = self.detokenize(self.output_ids) if self.detokenize else ""

@@ -76,6 +76,28 @@ def test_refuses_before_start_and_falls_back_to_a_working_method(loaded) -> None
     asyncio.run(scenario())
 
 
+def test_a_request_the_core_rejects_fails_alone(loaded) -> None:
+    """A Python caller past the HTTP intake (an empty prompt trips the scheduler's assertion)
+    fails that request only; the engine serves the next one."""
+    backend = EmbeddedBackend(
+        loaded.model, loaded.eos_token_ids, EmbeddedConfig(default_method="ar", max_len=512)
+    )
+
+    async def scenario() -> None:
+        await backend.start()
+        try:
+            empty = GenerationRequest("r", [], SamplingParams(max_tokens=2), None)
+            with pytest.raises(BackendUnavailable, match="refused"):
+                await anext(backend.generate(empty))
+            finished = [d async for d in backend.generate(request(3))]
+            assert sum(len(d.token_ids) for d in finished) == 3
+            assert (await backend.health())["engine"] == "ok"
+        finally:
+            await backend.stop()
+
+    asyncio.run(scenario())
+
+
 def test_client_disconnect_cancels_the_stream(loaded) -> None:
     server = start_gateway(loaded)
     try:
