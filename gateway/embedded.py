@@ -1,38 +1,23 @@
 """The embedded backend: drafter and verifier in this process, one ``SpecEngine`` for every
-method (each a drafter registered on it), so requests of different methods share every
-target forward. Drafters are built on first use; the default one at start, falling back
-along ``fallback_methods`` (logged) when its checkpoint is missing. A drafter that raises
-is dropped (its method reports degraded) and the engine goes on with new requests."""
+method (``lyanna.method_pool``), so requests of different methods share every target forward;
+the default method falls back along ``fallback_methods`` (logged). A drafter that raises is
+dropped (its method reports degraded) and the engine goes on with new requests."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 from dataclasses import dataclass, replace
 
 from gateway.adapter import EngineBackend, settle
 from gateway.backend import BackendUnavailable, GenerationRequest
-from lyanna.drafters import (
-    DRAFTERS,
-    TARGET_ONLY,
-    TREE_MODES,
-    DraftBudget,
-    DraftCapacity,
-    make_drafter,
-    tree_budget,
-)
-from lyanna.drafters.base import Drafter, NoDrafter
+from lyanna.drafters import DRAFTERS, TARGET_ONLY, TREE_MODES, DraftBudget
 from lyanna.engine import DrafterError, EngineConfig, SpecEngine
+from lyanna.method_pool import MethodPool
 from lyanna.model.transformer import Transformer
-from lyanna.sampling import SamplingParams
 from lyanna.scheduler import TREE_MARGIN
 from lyanna.sequence import Sequence
 from lyanna.threads import StepThreads, available_cpus
-
-logger = logging.getLogger(__name__)
-
-METHOD_BUILD_ERRORS = (OSError, ValueError, RuntimeError, KeyError)  # missing/mismatched ckpt
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +69,7 @@ class EmbeddedBackend(EngineBackend):
         self.max_context = self._max_len - TREE_MARGIN
         self.methods = tuple(DRAFTERS)
         self.default_method = self.config.default_method
-        self.engine: SpecEngine | None = None  # built by start()
-        self._broken: dict[str, str] = {}  # method -> why it cannot serve (logged in full)
+        self.engine: SpecEngine | None = None  # built by start(), with self.pool
         self._ids = itertools.count()
         # every CPU for each step: the worker lets the event loop send a step's deltas
         # before it starts the next (``settle``), so the OpenMP team never shares a core
@@ -96,8 +80,8 @@ class EmbeddedBackend(EngineBackend):
         status = {"engine": self._alive()}
         if self.engine is not None:  # copies first: the worker thread may add a method
             status.update({f"method:{m}": "ok" for m in list(self.engine.drafters)})
-        # why stays in the server log: exception text can name paths and internals
-        status.update({f"method:{m}": "degraded: unavailable" for m in list(self._broken)})
+            # why stays in the server log: exception text can name paths and internals
+            status.update({f"method:{m}": "degraded: unavailable" for m in list(self.pool.broken)})
         return status
 
     def _sequence(self, request: GenerationRequest, method: str) -> Sequence:
@@ -116,51 +100,19 @@ class EmbeddedBackend(EngineBackend):
 
     def _build(self) -> None:
         config = EngineConfig(self.config.max_running, self._max_len, self.config.rule)
-        self.engine = SpecEngine(self.model, NoDrafter(), config, method=TARGET_ONLY)
-        self._warm_up(self.engine.drafter)
-        configured = self.config.default_method
-        for method in dict.fromkeys((configured, *self.config.fallback_methods)):
-            if self._serves(method):
-                if method != configured:
-                    why = self._broken[configured]
-                    logger.warning("default %r: %s; serving %r", configured, why, method)
-                self.default_method = method
-                return
-        raise BackendUnavailable(f"no method could start: {self._broken}")
+        self.pool = MethodPool(self.model, config, self.config.tree, self.config.budget)
+        self.engine = self.pool.engine
+        methods = (self.config.default_method, *self.config.fallback_methods)
+        self.default_method = self.pool.first_serving(methods)
+        if self.default_method is None:
+            raise BackendUnavailable(f"no method could start: {self.pool.broken}")
 
     def _serves(self, method: str) -> bool:
-        """Whether ``method`` can serve, building its drafter on first use."""
-        if method in self.engine.drafters:
-            return True
-        if method in self._broken:
-            return False
-        try:
-            budget = tree_budget(method, self.model, self.config.tree, self.config.budget)
-            capacity = DraftCapacity(self.config.max_running, self._max_len)
-            drafter = make_drafter(method, self.model, budget, capacity)
-            self._warm_up(drafter)
-            self.engine.add_method(method, drafter)
-        except METHOD_BUILD_ERRORS as err:
-            self._broken[method] = f"{type(err).__name__}: {err}"
-            logger.warning("method %r cannot start: %s", method, self._broken[method])
-            return False
-        logger.info("method %r ready", method)
-        return True
-
-    def _warm_up(self, drafter: Drafter) -> None:
-        """One short greedy request on a one-slot engine of its own (the shared one's requests
-        must not step meanwhile): a checkpoint for another model fails here, not in a
-        client's request, and the kernels warm up."""
-        prompt = [i % self.model.config.vocab_size for i in range(1, 9)]
-        engine = SpecEngine(self.model, drafter, EngineConfig(1, len(prompt) + 4 + TREE_MARGIN))
-        params = SamplingParams(max_tokens=4, ignore_eos=True)
-        engine.submit(Sequence(next(self._ids), prompt, params))
-        engine.run()
+        return self.pool.serves(method)
 
     def _step_failed(self, err: Exception) -> None:
         """Also: a drafter that raised stops serving (degraded) so it cannot fail the next
         step; the requests waiting on its method fail."""
         if isinstance(err, DrafterError):
-            self._broken[err.method] = "its drafter failed (see the server log)"
-            self.engine.remove_method(err.method)
+            self.pool.drop(err.method, "its drafter failed (see the server log)")
         super()._step_failed(err)
