@@ -39,15 +39,16 @@ class TrainConfig:
     # Lyanna: the parent token whose info biases step k >= 2: "teacher" (the true token) or
     # "drafted" (the drafter's own first choice at step k - 1, what a chain drafts from)
     info_parents: str = "teacher"
-    # Lyanna ablations (issue 41): start the draft layer from the target's last decoder layer
-    # (the recipe) or from a random init; the regression loss ("" = the drafter's own: MSE for
-    # Lyanna, smooth-L1 for EAGLE); Gaussian noise of this std added to the target states the
-    # drafter reads (EAGLE's feature noise; 0 = none)
-    init_from_target: bool = True
-    # Lyanna's fc start: "identity" = h0 + E(t1) (the embedding row is ~14x smaller than the
-    # post-norm state, so the token is drowned), "balanced" = h0 + c E(t1) with
-    # c = rms(final norm weight) / rms(embedding), "random" = nn.Linear's init (EAGLE's)
-    fc_init: str = "identity"
+    # Lyanna's starts (issue 41): the draft layer from a random init (the default) or from the
+    # target's last decoder layer; fc from nn.Linear's random init ("random", EAGLE's, the
+    # default), "identity" (h0 + E(t1)) or "balanced" (h0 + c E(t1), c = rms(final norm
+    # weight) / rms(embedding)). Both warm starts together (the recipe before the 25th
+    # session) leave the predicted state with half the next-token knowledge of random starts
+    # at equal budget (training/README.md, "Why Lyanna's state knew less"). Also: the
+    # regression loss ("" = the drafter's own: MSE for Lyanna, smooth-L1 for EAGLE) and
+    # Gaussian noise of this std on the target states the drafter reads (0 = none)
+    init_from_target: bool = False
+    fc_init: str = "random"
     out_norm: bool = True  # Lyanna ablation: False = no RMSNorm on the layer's output
     # Lyanna: weight of a second cross-entropy on the hidden state alone (logits without the
     # token-info bias), so the state itself must carry the next token (0 = off)

@@ -2,7 +2,7 @@
 every anchor of a sequence at once, the chain unrolled ``unroll_steps`` times on its own
 outputs (no token enters the chain), loss ``alpha * MSE(h, H) + beta * CE(softmax(l'),
 softmax(L))`` per step with teacher-forced parent tokens for the token-info bias.
-The draft layer starts from the target's last decoder layer.
+The draft layer and ``fc`` start random (``TrainConfig.init_from_target`` / ``fc_init``).
 
 The cross-entropy is ``training.hot_ce.fused_hot_ce``: chunked over rows, the token-info
 bias fused in, so no ``[rows, num_hot]`` logits (draft, target or bias) are kept for backward
