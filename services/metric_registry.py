@@ -87,6 +87,9 @@ class BuiltMetrics:
             raise TypeError(f"{name} is a {built_kind}, not a {kind}")
         return metric
 
+    def __getitem__(self, name: str) -> MetricWrapperBase:
+        return self._built[name][1]
+
     def counter(self, name: str) -> Counter:
         return self._get(name, COUNTER)  # type: ignore[return-value]
 
