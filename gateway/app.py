@@ -36,7 +36,9 @@ from gateway.schemas import (
     completion_logprobs,
     response,
 )
-from gateway.text import ClientGone, Generation, TextStream, make_detokenize, unless_disconnected
+from gateway.text import ClientGone, Generation, unless_disconnected
+from lyanna.stop_strings import TextStream
+from lyanna.tokenizer import make_detokenize
 
 SSE_DONE = "data: [DONE]\n\n"
 API_KEY_STATE = "lyanna_api_key"  # the matched key, in the request's scope state

@@ -21,10 +21,10 @@ from gateway.config import GatewayConfig
 from gateway.device_args import placement
 from gateway.embedded import EmbeddedConfig
 from gateway.server import embedded_app, serve
-from gateway.text import make_detokenize
 from lyanna.drafters import TARGET_ONLY
 from lyanna.serving_model import load
 from lyanna.threads import serving_threads
+from lyanna.tokenizer import make_detokenize
 
 logger = logging.getLogger(__name__)
 

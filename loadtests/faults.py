@@ -334,12 +334,11 @@ def greedy_references(
     numerics), stopped at EOS like the gateway: (text as the gateway decodes it, tokens)."""
     import torch
 
-    from gateway.text import make_detokenize
     from lyanna.decode import generate
     from lyanna.sampling import SamplingParams
     from lyanna.sequence import Sequence
     from lyanna.serving_model import load
-    from lyanna.tokenizer import chat_prompt_ids
+    from lyanna.tokenizer import chat_prompt_ids, make_detokenize
 
     torch.set_num_threads(1)
     loaded = load(model_dir, weights="auto")

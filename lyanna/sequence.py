@@ -7,15 +7,12 @@ extras."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from lyanna.sampling import SamplingParams
-from lyanna.stop_strings import find_stop
-
-Detokenize = Callable[[list[int]], str]
+from lyanna.stop_strings import Detokenize, find_stop
 
 
 @dataclass(slots=True)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,3 +27,12 @@ def chat_prompt_ids(tokenizer: Any, messages: list[Message]) -> list[int]:
     if hasattr(encoded, "keys"):
         encoded = encoded["input_ids"]
     return list(encoded)
+
+
+def make_detokenize(tokenizer: Any) -> Callable[[list[int]], str]:
+    """The one decoding the gateway and the backends share (stop strings must agree)."""
+
+    def detokenize(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    return detokenize

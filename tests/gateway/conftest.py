@@ -14,12 +14,12 @@ import pytest
 from gateway.config import GatewayConfig
 from gateway.embedded import EmbeddedConfig
 from gateway.server import ThreadedServer, embedded_app
-from gateway.text import make_detokenize
 from lyanna.decode import generate
 from lyanna.model.loader import export_hf_dir
 from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence
 from lyanna.serving_model import LoadedModel, eos_ids
+from lyanna.tokenizer import make_detokenize
 from tests.conftest import make_tiny_model
 from tests.unit.test_loader import hf_state_of
 

@@ -3,7 +3,7 @@ string), cut before the first stop string, the docstring's worked example."""
 
 from __future__ import annotations
 
-from gateway.text import TextStream
+from lyanna.stop_strings import TextStream
 
 
 def stream_of(pieces: dict[int, str], stop: tuple[str, ...] = ()) -> TextStream:

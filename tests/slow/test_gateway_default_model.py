@@ -8,13 +8,13 @@ import pytest
 
 from gateway.config import GatewayConfig
 from gateway.embedded import EmbeddedConfig
-from gateway.server import LoadedModel, ThreadedServer, embedded_app, eos_ids
-from gateway.text import make_detokenize
+from gateway.server import ThreadedServer, embedded_app
 from lyanna.decode import generate
 from lyanna.model import DEFAULT_MODEL
 from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence
-from lyanna.tokenizer import chat_prompt_ids
+from lyanna.serving_model import LoadedModel, eos_ids
+from lyanna.tokenizer import chat_prompt_ids, make_detokenize
 
 pytestmark = pytest.mark.slow
 
