@@ -9,17 +9,11 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
-HELP = {  # the ``lyanna chat`` flags' help, by ChatOptions field
-    "model": "default: the first model the server lists",
-    "method": "speculative method for these requests",
-    "system": "system prompt",
-}
+from openai import APIConnectionError, APIError, OpenAI
 
 
 @dataclass(frozen=True, slots=True)
 class ChatOptions:
-    """Also the ``lyanna chat`` flags (``--max-tokens`` for ``max_tokens``)."""
-
     url: str = "http://127.0.0.1:8000/v1"
     api_key: str = "none"
     model: str | None = None  # None = the first model the server lists
@@ -53,8 +47,6 @@ class TurnStats:
 
 class ChatSession:
     def __init__(self, options: ChatOptions) -> None:
-        from openai import OpenAI  # here: the rest of the CLI does not pay for its import
-
         self.options = options
         headers = {"X-Lyanna-Method": options.method} if options.method else None
         self.client = OpenAI(
@@ -97,8 +89,6 @@ class ChatSession:
 def run_chat(options: ChatOptions, prompt: str | None = None) -> int:
     """One turn when ``prompt`` is given, else a conversation read line by line from stdin
     (an empty line or EOF ends it)."""
-    from openai import APIConnectionError, APIError
-
     try:
         session = ChatSession(options)
         if prompt is not None:

@@ -6,9 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import fields
 
-from client.chat import HELP, ChatOptions
 from gateway.device_args import add_placement_args, placement
 from lyanna.sampling import SamplingParams
 
@@ -62,7 +60,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
-    from client.chat import run_chat
+    from dataclasses import fields
+
+    from client.chat import ChatOptions, run_chat
 
     options = ChatOptions(**{f.name: getattr(args, f.name) for f in fields(ChatOptions)})
     return run_chat(options, args.prompt)
@@ -165,10 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
     _add_serve(sub)
     chat = sub.add_parser("chat", help="chat with a running server (streams, shows tokens/s)")
-    for f in fields(ChatOptions):
-        kind = str if f.default is None else type(f.default)
-        flag = "--" + f.name.replace("_", "-")
-        chat.add_argument(flag, type=kind, default=f.default, help=HELP.get(f.name))
+    chat.add_argument("--url", default="http://127.0.0.1:8000/v1")
+    chat.add_argument("--api-key", default="none")
+    chat.add_argument("--model", help="default: the first model the server lists")
+    chat.add_argument("--method", help="speculative method for these requests")
+    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument("--system", help="system prompt")
     chat.add_argument("--prompt", help="ask once and exit (default: interactive)")
     chat.set_defaults(func=_cmd_chat)
     return parser
