@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from gateway.adapter import EngineBackend, settle
 from gateway.backend import BackendUnavailable, GenerationRequest
-from lyanna.drafters import DRAFTERS, TARGET_ONLY, TREE_MODES, DraftBudget
+from lyanna.drafters import DRAFTERS, FALLBACK_METHODS, TREE_MODES, DraftBudget
 from lyanna.engine import DrafterError, EngineConfig, SpecEngine
 from lyanna.method_pool import MethodPool
 from lyanna.model.transformer import Transformer
@@ -23,7 +23,7 @@ from lyanna.threads import StepThreads, available_cpus
 @dataclass(frozen=True, slots=True)
 class EmbeddedConfig:
     default_method: str = "lyanna"
-    fallback_methods: tuple[str, ...] = ("eagle", "ngram", TARGET_ONLY)
+    fallback_methods: tuple[str, ...] = FALLBACK_METHODS
     max_running: int = 8  # sequences decoding at once, all methods together
     max_len: int = 2048  # KV rows per sequence
     max_waiting: int = 64  # requests waiting for their first token before BackendBusy

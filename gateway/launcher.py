@@ -21,14 +21,12 @@ from gateway.config import GatewayConfig
 from gateway.device_args import placement
 from gateway.embedded import EmbeddedConfig
 from gateway.server import embedded_app, serve
-from lyanna.drafters import TARGET_ONLY
+from lyanna.drafters import FALLBACK_METHODS
 from lyanna.serving_model import load
 from lyanna.threads import serving_threads
 from lyanna.tokenizer import make_detokenize
 
 logger = logging.getLogger(__name__)
-
-FALLBACK_METHODS = ("eagle", "ngram", TARGET_ONLY)
 
 
 def banner(config: GatewayConfig, method: str) -> str:

@@ -15,6 +15,7 @@ from lyanna.model.transformer import Transformer
 
 DrafterFactory = Callable[[Transformer, DraftBudget, DraftCapacity], Drafter]
 TARGET_ONLY = "ar"  # plain decoding: the engine's NoDrafter, root-only trees, always served
+FALLBACK_METHODS = ("eagle", "ngram", TARGET_ONLY)  # in order, when a default cannot start
 
 
 def _ar(model: Transformer, budget: DraftBudget, capacity: DraftCapacity) -> Drafter:
