@@ -8,7 +8,7 @@ several concurrencies, through real HTTP (``loadtests.load``; official ``openai`
 Deployments (each a fresh ``lyanna serve`` process tree, stopped after its runs):
 ``embedded`` (one process), ``services`` (verifier + drafter gRPC services + gateway, as
 ``lyanna serve --mode services`` runs them: one lane on the CPU, see
-``gateway.launcher.use_pipeline``), ``services-pipeline`` (the asynchronous two-lane
+``remote_engine.config.use_pipeline``), ``services-pipeline`` (the asynchronous two-lane
 pipeline), ``services-sync`` (one lane: draft, then verify). Prints one
 markdown table: output tokens/s, TTFT and TPOT p50/p99, mean acceptance length; then, from
 the gateway's own histograms, the mean draft and verify time per step of each run (in the

@@ -111,13 +111,6 @@ def _serve_services(args: argparse.Namespace, config: GatewayConfig) -> None:
         _serve_remote(args, config, tokenizer, eos, *addrs, method=method)
 
 
-def use_pipeline(requested: bool | None, remote: bool, device: str) -> bool:
-    """Two lanes overlap one micro-batch's drafting with the other's verification: that pays
-    where the services compute apart, not when they share this CPU's cores (2 cores: one lane
-    served 27-28 % more tokens/s at concurrency 4, 9-29 % at 16; docs/benchmarks.md)."""
-    return (remote or device != "cpu") if requested is None else requested
-
-
 def _serve_remote(
     args: argparse.Namespace,
     config: GatewayConfig,
@@ -128,6 +121,7 @@ def _serve_remote(
     method: str | None = None,
 ) -> None:
     from gateway.remote import RemoteBackend, RemoteConfig
+    from remote_engine.config import use_pipeline
 
     names = ("max_running", "max_waiting", "queue_timeout", "max_steps_per_call")
     names += ("draft_deadline", "verify_deadline", "control_deadline")

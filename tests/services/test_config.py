@@ -86,7 +86,7 @@ def test_launched_services_thread_counts_follow_their_variables() -> None:
 
 
 def test_two_lanes_only_where_the_services_compute_apart() -> None:
-    from gateway.launcher import use_pipeline
+    from remote_engine.config import use_pipeline
 
     assert not use_pipeline(None, remote=False, device="cpu")  # sharing this CPU's cores
     assert use_pipeline(None, remote=True, device="cpu")  # services elsewhere
