@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from gateway.auth import KeyRing, StreamLimiter, TokenRateLimiter
-from gateway.backend import BackendBusy, GenerationBackend
+from gateway.backend import GenerationBackend
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, error_response, install_error_handlers, invalid, stream_error
 from gateway.intake import METHOD_HEADER, REQUEST_ID_HEADER, RequestBuilder, request_id_of
@@ -37,6 +37,7 @@ from gateway.schemas import (
     response,
 )
 from gateway.text import ClientGone, Generation, unless_disconnected
+from lyanna.async_engine import BackendBusy
 from lyanna.stop_strings import TextStream
 from lyanna.tokenizer import make_detokenize
 

@@ -9,8 +9,8 @@ import asyncio
 import itertools
 from dataclasses import dataclass, replace
 
-from gateway.adapter import EngineBackend, settle
-from gateway.backend import BackendUnavailable, GenerationRequest
+from gateway.backend import GenerationRequest
+from lyanna.async_engine import AsyncEngine, BackendUnavailable, settle
 from lyanna.drafters import DRAFTERS, FALLBACK_METHODS, TREE_MODES, DraftBudget
 from lyanna.engine import DrafterError, EngineConfig, SpecEngine
 from lyanna.method_pool import MethodPool
@@ -50,7 +50,7 @@ class EmbeddedConfig:
             raise ValueError("queue_timeout must be > 0")
 
 
-class EmbeddedBackend(EngineBackend):
+class EmbeddedBackend(AsyncEngine):
     admit_limit = 1  # each prefill streams its first token before the next one runs
 
     def __init__(
@@ -84,9 +84,10 @@ class EmbeddedBackend(EngineBackend):
             status.update({f"method:{m}": "degraded: unavailable" for m in list(self.pool.broken)})
         return status
 
-    def _sequence(self, request: GenerationRequest, method: str) -> Sequence:
+    def _sequence(self, request: GenerationRequest) -> Sequence:
         params = replace(request.params, stop=())  # the gateway applies stop strings
-        return Sequence(next(self._ids), list(request.prompt_ids), params, self._eos, method=method)
+        prompt, method = list(request.prompt_ids), request.method
+        return Sequence(next(self._ids), prompt, params, self._eos, method=method)
 
     def _before_step(self) -> None:
         self._threads.apply(len(self.engine.running))

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.backend import BackendBusy, BackendUnavailable
+from lyanna.async_engine import BackendBusy, BackendUnavailable
 
 logger = logging.getLogger(__name__)
 BUSY_RETRY_AFTER_SECONDS = 1  # a full queue drains within a few steps; clients back off

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest, start_http_server
 
-from gateway.backend import TokenDelta
+from lyanna.async_engine import TokenDelta
 from lyanna.stats import acceptance_length
 from lyanna.step_facts import StepFacts
 from services.metric_registry import GATEWAY, GATEWAY_LABELS, HISTOGRAM

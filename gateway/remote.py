@@ -1,4 +1,4 @@
-"""The remote backend: ``gateway.adapter.EngineBackend`` over ``remote_engine.RemoteEngine``
+"""The remote backend: ``lyanna.async_engine.AsyncEngine`` over ``remote_engine.RemoteEngine``
 (the gRPC services; admission, lanes, drafter sync, fallback and resume are the engine's)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from gateway.adapter import EngineBackend
-from gateway.backend import BackendUnavailable, GenerationRequest
+from gateway.backend import GenerationRequest
+from lyanna.async_engine import AsyncEngine, BackendUnavailable
 from lyanna.sequence import Sequence
 from remote_engine import RemoteConfig, RemoteEngine, Unavailable
 
@@ -17,7 +17,7 @@ __all__ = ["RemoteBackend", "RemoteConfig"]
 T = TypeVar("T")
 
 
-class RemoteBackend(EngineBackend):
+class RemoteBackend(AsyncEngine):
     def __init__(
         self,
         config: RemoteConfig,
@@ -55,8 +55,9 @@ class RemoteBackend(EngineBackend):
             return {"engine": self._alive()}
         return await self.on_services(lambda engine: engine.health())
 
-    def _sequence(self, request: GenerationRequest, method: str) -> Sequence:
+    def _sequence(self, request: GenerationRequest) -> Sequence:
         # an id no other client can guess (63 random bits: a collision among even a million
         # live sequences has probability ~1e-7), so none can release another's
         seq_id, prompt = secrets.randbits(63), list(request.prompt_ids)
-        return Sequence(seq_id, prompt, request.params, self._eos, self._detokenize, method=method)
+        params, method = request.params, request.method
+        return Sequence(seq_id, prompt, params, self._eos, self._detokenize, method=method)

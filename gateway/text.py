@@ -11,9 +11,9 @@ from typing import TypeVar
 import anyio
 from starlette.requests import Request
 
-from gateway.backend import TokenDelta
 from gateway.metrics import RequestTracker
 from gateway.schemas import usage
+from lyanna.async_engine import TokenDelta
 from lyanna.stop_strings import TextStream
 
 T = TypeVar("T")

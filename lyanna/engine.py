@@ -64,7 +64,7 @@ class StepLoop:
     sequences: ``_prefill``) -> run (``_speculate`` the decode batch: draft, verify, the
     scheduler's ``postprocess``) -> ``retire`` (``_free`` the finished). A subclass owns the
     model work: ``SpecEngine`` in this process, ``remote_engine.RemoteEngine`` over the
-    drafter and verifier services. Both stream through the same gateway adapter."""
+    drafter and verifier services. Both stream through ``lyanna.async_engine``."""
 
     scheduler: Scheduler
     default_method: str

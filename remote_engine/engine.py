@@ -5,7 +5,7 @@ in-process engine does: ``admit`` (``schedule_prefill`` then ``postprocess_prefi
 ``step`` = ``decode_batch`` -> the services' step -> ``postprocess`` -> ``retire``. Only the
 model work differs, and it runs as gRPC calls (async clients, a deadline on every call) on an
 event loop of the engine's own (a thread), so the engine's methods are plain blocking calls
-like ``SpecEngine``'s and one gateway adapter serves both.
+like ``SpecEngine``'s and one asyncio front (``lyanna.async_engine``) serves both.
 
 - *Admission*: waiting sequences are prefilled in batches bounded by the scheduler's
   ``max_running``, the free KV slots the verifier reports (``Capacity``) and one message

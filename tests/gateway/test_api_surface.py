@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from gateway.app import create_app
-from gateway.backend import BackendBusy
 from gateway.config import GatewayConfig
 from gateway.server import ThreadedServer
+from lyanna.async_engine import BackendBusy
 from lyanna.tokenizer import chat_prompt_ids
 from tests.conftest import prompt_logits
 from tests.gateway.conftest import MODEL_NAME, start_gateway

@@ -11,9 +11,9 @@ import httpx
 import pytest
 import torch
 
-from gateway.adapter import settle
-from gateway.backend import BackendBusy, BackendUnavailable, GenerationRequest, TokenDelta
+from gateway.backend import GenerationRequest
 from gateway.embedded import EmbeddedBackend, EmbeddedConfig
+from lyanna.async_engine import BackendBusy, BackendUnavailable, TokenDelta, settle
 from lyanna.drafters.base import NoDrafter
 from lyanna.sampling import SamplingParams
 from lyanna.serving_model import load

@@ -18,9 +18,10 @@ import pytest
 
 from gateway.app import create_app
 from gateway.auth import TokenRateLimiter
-from gateway.backend import BackendBusy, BackendUnavailable, GenerationRequest, TokenDelta
+from gateway.backend import GenerationRequest
 from gateway.config import GatewayConfig
 from gateway.server import ThreadedServer
+from lyanna.async_engine import BackendBusy, BackendUnavailable, TokenDelta
 from tests.gateway.conftest import MODEL_NAME, start_gateway
 
 CHAT = "/v1/chat/completions"

@@ -14,9 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
 from gateway.app import create_app
-from gateway.backend import GenerationRequest, TokenDelta
+from gateway.backend import GenerationRequest
 from gateway.config import GatewayConfig
 from gateway.schemas import UNSUPPORTED_NO_OP
+from lyanna.async_engine import TokenDelta
 from tests.gateway.conftest import MODEL_NAME
 from tests.gateway.test_errors import RefusingBackend
 

@@ -8,13 +8,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gateway.backend import GenerationRequest, StepFacts
+from gateway.backend import GenerationRequest
 from gateway.remote import RemoteBackend, RemoteConfig
 from lyanna.decode import generate
 from lyanna.drafters import DraftBudget, Drafter
 from lyanna.engine import EngineConfig, SpecEngine
 from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence
+from lyanna.step_facts import StepFacts
 
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 8, 5, 6, 7], [9], [4, 4, 4, 4, 4, 4]]
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.adapter import EngineBackend
 from gateway.backend import GenerationRequest
 from gateway.embedded import EmbeddedBackend, EmbeddedConfig
 from gateway.remote import RemoteBackend
+from lyanna.async_engine import AsyncEngine
 from lyanna.engine import SpecEngine, StepLoop
 from lyanna.sampling import SamplingParams
 from lyanna.scheduler import Scheduler
@@ -56,7 +56,7 @@ def spy(scheduler: Scheduler) -> list[tuple[str, int]]:
     return calls
 
 
-async def serve(backend: EngineBackend) -> tuple[list[list[int]], list[tuple[str, int]], object]:
+async def serve(backend: AsyncEngine) -> tuple[list[list[int]], list[tuple[str, int]], object]:
     """The prompts one after another (so no arrival races a step), greedy, target-only."""
     await backend.start()
     try:
@@ -87,7 +87,7 @@ def test_embedded_and_services_make_the_same_scheduler_calls(ngram_services, tin
 
     assert isinstance(local_engine, SpecEngine) and isinstance(remote_engine, RemoteEngine)
     for backend in (embedded, remote):  # one adapter: the backends add no step of their own
-        assert isinstance(backend, EngineBackend) and type(backend)._work is EngineBackend._work
+        assert isinstance(backend, AsyncEngine) and type(backend)._work is AsyncEngine._work
     for engine in (local_engine, remote_engine):  # one step loop, written once
         assert type(engine).step is StepLoop.step
     assert local_out == remote_out == plain_greedy(tiny_loaded, PROMPTS, MAX_TOKENS)

@@ -12,8 +12,9 @@ import time
 
 import pytest
 
-from gateway.backend import BackendBusy, GenerationRequest
+from gateway.backend import GenerationRequest
 from gateway.remote import RemoteBackend
+from lyanna.async_engine import BackendBusy
 from lyanna.drafters.ngram import NgramDrafter
 from lyanna.sampling import SamplingParams
 from services.launch import launch

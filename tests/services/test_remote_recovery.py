@@ -11,8 +11,9 @@ import asyncio
 import grpc
 import pytest
 
-from gateway.backend import BackendUnavailable, GenerationRequest
+from gateway.backend import GenerationRequest
 from gateway.remote import RemoteBackend
+from lyanna.async_engine import BackendUnavailable
 from lyanna.sampling import SamplingParams
 from services.launch import launch
 from services.pb import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc

@@ -7,9 +7,9 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.backend import StepFacts
 from gateway.metrics import GatewayMetrics
 from lyanna.stats import SpecStats
+from lyanna.step_facts import StepFacts
 from lyanna.verify import Verdict
 
 # (drafted per depth, accepted, resampled, drafter fallback)

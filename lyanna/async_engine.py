@@ -1,12 +1,12 @@
-"""The asyncio adapter over the engine interface (``lyanna.engine.StepLoop``: submit, admit,
-step, abort), shared by the embedded backend (``SpecEngine`` here) and the remote one
-(``remote_engine.RemoteEngine``).
+"""An asyncio front over the engine interface (``lyanna.engine.StepLoop``: submit, admit,
+step, abort), what a server streams from: the gateway's embedded backend drives ``SpecEngine``
+through it, its remote one ``remote_engine.RemoteEngine``.
 
 One worker thread owns the engine (not thread-safe; torch and gRPC release the GIL, so the
 event loop stays responsive) and hears from the loop only through a command queue. A request
 that waits for its first token past ``queue_timeout``, or finds ``max_waiting`` waiting, gets
-``BackendBusy`` (429). Closing a request's iterator early aborts its sequence (KV slot and
-drafter state freed). A stop drains for at most ``drain_seconds``.
+``BackendBusy`` (a server answers 429). Closing a request's iterator early aborts its sequence
+(KV slot and drafter state freed). A stop drains for at most ``drain_seconds``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
-from gateway.backend import BackendBusy, BackendUnavailable, GenerationRequest, TokenDelta
 from lyanna.engine import StepLoop
 from lyanna.scheduler import Emitted
 from lyanna.sequence import Sequence
@@ -30,6 +30,25 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_SECONDS = 0.05  # a worker with waiting requests it cannot admit yet looks again
 SETTLE_HOPS = 4  # event-loop turns ``settle`` waits for, at most SETTLE_SECONDS
 SETTLE_SECONDS = 0.01
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """Newly committed output tokens of one request (empty when only a finish arrives)."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    step: StepFacts | None = None  # None for the first token (it comes from prefill)
+    prompt_tokens: int = 0  # set on the first delta
+    logprobs: list | None = None  # one lyanna.sampling.TokenLogprob per token (when asked)
+
+
+class BackendUnavailable(RuntimeError):
+    """The engine (or the verifier behind it) cannot serve: a server answers 503."""
+
+
+class BackendBusy(RuntimeError):
+    """The waiting queue is full: a server answers 429."""
 
 
 @dataclass(slots=True, eq=False)
@@ -66,9 +85,9 @@ def settle(loop: asyncio.AbstractEventLoop) -> None:
     done.wait(SETTLE_SECONDS)
 
 
-class EngineBackend:
-    """``GenerationBackend`` over a ``StepLoop``. A backend builds its engine (``_build``, in
-    a thread) and says how a request becomes a ``Sequence``."""
+class AsyncEngine:
+    """Streams over a ``StepLoop`` (the gateway's ``GenerationBackend``). A subclass builds
+    its engine (``_build``, in a thread) and says how a request becomes a ``Sequence``."""
 
     supports_logprobs = True
     admit_limit: int | None = None  # sequences one ``engine.admit`` prefills; None = all
@@ -91,7 +110,8 @@ class EngineBackend:
     def _close(self) -> None:
         """Free what ``_build`` took, once the worker stopped."""
 
-    def _sequence(self, request: GenerationRequest, method: str) -> Sequence:
+    def _sequence(self, request: Any) -> Sequence:
+        """``request`` as a sequence; its ``method`` None stands for ``default_method``."""
         raise NotImplementedError
 
     def _serves(self, method: str) -> bool:  # worker thread
@@ -133,13 +153,14 @@ class EngineBackend:
             return "ok"
         return "crashed (see the server log)" if self._crashed else "not running"
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+    async def generate(self, request: Any) -> AsyncIterator[TokenDelta]:
         if self._alive() != "ok":
             raise BackendUnavailable("the engine is not running")
         # a caller that skipped the HTTP intake still meets the engine's own refusals
         if self._num_waiting >= self.max_waiting:
             raise BackendBusy(f"{self._num_waiting} requests are already waiting")
-        sequence = self._sequence(request, request.method or self.default_method)
+        sequence = self._sequence(request)
+        sequence.method = sequence.method or self.default_method
         handle = _Handle(sequence, asyncio.get_running_loop(), asyncio.Queue())
         self._num_waiting += 1
         waiting, finished = True, False
