@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
-from gateway.device_args import add_placement_args
 from lyanna.drafters import TREE_MODES, DraftBudget, default_budget, tree_budget
+from lyanna.model.device import add_placement_args
 from lyanna.model.loader import WEIGHT_FORMATS
 from lyanna.tokenizer import chat_prompt_ids
 

@@ -39,7 +39,6 @@ from bench.common import (
     question_prompt,
     set_threads,
 )
-from gateway.device_args import placement
 from lyanna.drafters import (
     DRAFTERS,
     MODEL_FREE_METHODS,
@@ -50,6 +49,7 @@ from lyanna.drafters import (
 )
 from lyanna.drafters.gate import DRAFT_SOURCES
 from lyanna.engine import EngineConfig, SpecEngine
+from lyanna.model.device import placement
 from lyanna.model.transformer import Transformer
 from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence

@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from gateway.device_args import add_placement_args, placement
+from lyanna.model.device import add_placement_args, placement
 from lyanna.sampling import SamplingParams
 
 

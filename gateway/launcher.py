@@ -18,10 +18,10 @@ from typing import Any
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.device_args import placement
 from gateway.embedded import EmbeddedConfig
 from gateway.server import embedded_app, serve
 from lyanna.drafters import FALLBACK_METHODS
+from lyanna.model.device import placement
 from lyanna.serving_model import load
 from lyanna.threads import serving_threads
 from lyanna.tokenizer import make_detokenize

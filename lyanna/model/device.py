@@ -1,6 +1,7 @@
 """Where and in what a model runs: the ``--device`` and ``--dtype`` settings of ``lyanna serve``
-and of the verifier and drafter services, parsed and checked at start-up so a wrong value is
-one clear error before any model loads (not a crash deep inside the first forward).
+and ``generate``, the benchmarks (``add_placement_args``) and the verifier and drafter
+services, parsed and checked at start-up so a wrong value is one clear error before any model
+loads (not a crash deep inside the first forward).
 
 CPU in float32 is the default and what CI runs; on a GPU, bf16 is the usual choice. The 4-bit
 weight formats run on the CPU in float32 only (``check_placement``; ``weights=auto`` picks the
@@ -8,6 +9,9 @@ dense weights anywhere else, see ``lyanna.model.load_model``).
 """
 
 from __future__ import annotations
+
+import argparse
+import os
 
 import torch
 
@@ -72,3 +76,40 @@ def parse_placement(
     torch_device, torch_dtype = parse_device(device), parse_dtype(dtype)
     check_placement(weights, torch_dtype, torch_device)
     return torch_device, torch_dtype
+
+
+def add_placement_args(parser: argparse.ArgumentParser, services: bool = False) -> None:
+    """``--device`` / ``--dtype``, defaults from ``LYANNA_DEVICE`` / ``LYANNA_DTYPE``; a
+    malformed value is a usage error (``placement`` checks the rest)."""
+
+    def checked(parse):
+        def convert(text: str) -> str:
+            try:
+                parse(text)
+            except ValueError as err:
+                raise argparse.ArgumentTypeError(str(err)) from None
+            return text
+
+        return convert
+
+    where = "the target (embedded) or both services (services mode)" if services else "the model"
+    parser.add_argument(
+        "--device",
+        type=checked(lambda name: parse_device(name, usable_here=False)),
+        default=os.environ.get("LYANNA_DEVICE", "cpu"),
+        help=f"where {where} runs: cpu, cuda or cuda:N; off the CPU every method but sps "
+        "drafts there (env LYANNA_DEVICE)",
+    )
+    parser.add_argument(
+        "--dtype",
+        type=checked(parse_dtype),
+        default=os.environ.get("LYANNA_DTYPE", "float32"),
+        help=f"the weights' and KV cache's dtype: {', '.join(DTYPES)}; bf16 on a GPU; the 4-bit "
+        "--weights need float32 on the CPU (auto picks dense elsewhere) (env LYANNA_DTYPE)",
+    )
+
+
+def placement(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
+    """``(device, dtype)`` of parsed ``add_placement_args`` flags and ``--weights``;
+    ``ValueError`` unless CUDA is usable here and the weights run there."""
+    return parse_placement(args.device, args.dtype, args.weights)
