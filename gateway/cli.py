@@ -108,15 +108,11 @@ def _add_serve(sub) -> None:
     serve.add_argument("--max-running", type=int, default=8, help="running sequences per engine")
     serve.add_argument("--max-len", type=int, default=2048, help="KV rows per sequence")
     serve.add_argument("--max-waiting", type=int, default=64, help="queue bound (then 429)")
-    for flag, kind, help in (  # defaults from the environment through GatewayConfig
-        ("--api-keys-file", str, "API keys, one per line, reloaded when the file changes"),
-        ("--max-streams-per-key", int, "requests in flight per API key, then 429; 0: none"),
-        ("--max-tokens-per-minute-per-key", int, "tokens per API key per minute, then 429"),
-    ):
-        env = "LYANNA_" + flag.lstrip("-").replace("-", "_").upper()
-        serve.add_argument(flag, type=kind, help=f"{help} (env {env})")
     remote = "services mode:"
-    for flag, kind, default, help in (
+    for flag, kind, default, help in (  # None: unset (per-key limits: GatewayConfig's)
+        ("--api-keys-file", str, None, "API keys, one per line, reloaded when the file changes"),
+        ("--max-streams-per-key", int, None, "requests in flight per API key, then 429; 0: none"),
+        ("--max-tokens-per-minute-per-key", int, None, "tokens per API key per minute, then 429"),
         ("--queue-timeout", float, 60.0, "seconds a request may wait for a slot (then 429)"),
         ("--verifier-addr", str, None, f"{remote} use this running verifier (host:port)"),
         ("--drafter-addr", str, None, f"{remote} the running drafter beside --verifier-addr"),

@@ -59,17 +59,12 @@ class Generation:
             if tail:
                 yield tail
         finally:
-            with anyio.CancelScope(shield=True):
-                await self._deltas.aclose()
-            self._finish()
+            await self.close()
 
     async def close(self) -> None:
-        """Release the request if ``texts`` never ran to its end; idempotent."""
+        """Release the request (``texts`` does at its end, however it ends); idempotent."""
         with anyio.CancelScope(shield=True):
             await self._deltas.aclose()
-        self._finish()
-
-    def _finish(self) -> None:
         self.tracker.finish(self.finish_reason or "abort")
         if self._on_finish is not None:
             on_finish, self._on_finish = self._on_finish, None
