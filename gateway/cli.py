@@ -26,7 +26,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from lyanna.decode import generate
     from lyanna.sequence import Sequence
     from lyanna.serving_model import load
-    from lyanna.tokenizer import chat_prompt_ids
+    from lyanna.tokenizer import chat_prompt_ids, make_detokenize
 
     device, dtype = placement(args)
     loaded = load(args.model, args.weights, device, dtype)
@@ -34,13 +34,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         args.temperature, args.top_p, args.max_tokens, seed=args.seed, stop=tuple(args.stop)
     )
-    sequence = Sequence(
-        seq_id=0,
-        prompt_ids=chat_prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}]),
-        params=params,
-        eos_token_ids=loaded.eos_token_ids,
-        detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-    )
+    prompt_ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}])
+    # the gateway's decoding, so that stop strings match as they would there
+    sequence = Sequence(0, prompt_ids, params, loaded.eos_token_ids, make_detokenize(tokenizer))
     stats = generate(model, [sequence])
     print(sequence.output_text())
     rate = stats.num_output_tokens / max(stats.decode_seconds, 1e-9)

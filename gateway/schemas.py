@@ -115,12 +115,6 @@ class CompletionRequest(_Generation):
         return self.max_tokens
 
 
-def usage(prompt_tokens: int, completion_tokens: int, spec: dict) -> dict:
-    total = prompt_tokens + completion_tokens
-    tokens = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
-    return {**tokens, "total_tokens": total, "lyanna": spec}
-
-
 def response(rid: str, model: str, kind: str, choice: dict | None, **usage_: dict | None) -> dict:
     """A response or stream chunk of object ``kind`` with one choice (None: no choices, the
     usage-only chunk); a ``usage`` field only where one is passed."""

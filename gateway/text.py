@@ -12,7 +12,6 @@ import anyio
 from starlette.requests import Request
 
 from gateway.metrics import RequestTracker
-from gateway.schemas import usage
 from lyanna.async_engine import TokenDelta
 from lyanna.stop_strings import TextStream
 
@@ -78,8 +77,9 @@ class Generation:
         return "".join([piece async for piece in self.texts()])
 
     def usage(self) -> dict:
-        """The usage block, with the ``lyanna`` extra: method and speculation counts."""
+        """OpenAI's usage block, with the ``lyanna`` extra: method and speculation counts."""
         tracker = self.tracker
+        prompt, output = tracker.num_prompt_tokens, tracker.num_output_tokens
         spec = {
             "method": tracker.method,
             "acceptance_length": round(tracker.acceptance_length, 4),
@@ -87,7 +87,8 @@ class Generation:
             "num_draft_tokens": tracker.num_drafted,
             "num_accepted_tokens": tracker.num_accepted,
         }
-        return usage(tracker.num_prompt_tokens, tracker.num_output_tokens, spec)
+        tokens = {"prompt_tokens": prompt, "completion_tokens": output}
+        return {**tokens, "total_tokens": prompt + output, "lyanna": spec}
 
 
 async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
