@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import math
 import os
 import signal
 import threading
@@ -27,7 +28,7 @@ from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -400,40 +401,63 @@ def run_service(
     return 0
 
 
-class Leases:
-    """When each held sequence's lease runs out (``seconds`` <= 0: no leases). Not thread
-    safe: its servicer calls it under its own lock, or reads a snapshot (``due``)."""
+@dataclass(slots=True, eq=False)
+class Lease:
+    """A held sequence's record at a service: when its lease runs out (``Leases``' clock; inf
+    without leases). A servicer extends it with its own state of the sequence, which is then
+    held and dropped with the lease, never one without the other."""
+
+    until: float = math.inf
+
+
+L = TypeVar("L", bound=Lease)
+
+
+class Leases(Generic[L]):
+    """The held sequences' records (``Lease``) and their leases (``seconds`` <= 0: no leases,
+    a record is held until dropped). Not thread safe: its servicer calls it under its own
+    lock, except ``renew`` and ``due`` that may run beside it: they never change the map (a
+    renew that a drop overtook renews a record no longer held: the sequence stays gone)."""
 
     def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.seconds, self._clock = seconds, clock
-        self._until: dict[int, float] = {}  # seq id -> when its lease runs out (clock)
+        self._held: dict[int, L] = {}  # seq id -> its record
         self.num_reclaimed = 0  # sequences whose lease ran out
         self._reaper: threading.Thread | None = None
 
-    def hold(self, seq_id: int) -> None:
-        """Lease ``seq_id`` (again) from now."""
-        if self.seconds > 0:
-            self._until[seq_id] = self._clock() + self.seconds
+    def hold(self, seq_id: int, lease: L | None = None) -> None:
+        """Hold ``seq_id`` with its record (default: a bare ``Lease``), leased from now."""
+        self._held[seq_id] = held = lease if lease is not None else Lease()
+        self._renew(held)
+
+    def get(self, seq_id: int) -> L | None:
+        return self._held.get(seq_id)
 
     def renew(self, seq_ids) -> None:
         """Renew the held ones among ``seq_ids`` (an unknown or reclaimed one stays unknown:
         its call answers NOT_FOUND)."""
         for seq_id in seq_ids:
-            if seq_id in self._until:
-                self.hold(seq_id)
+            held = self._held.get(seq_id)
+            if held is not None:
+                self._renew(held)
 
-    def drop(self, seq_id: int) -> None:
-        self._until.pop(seq_id, None)
+    def _renew(self, lease: Lease) -> None:
+        if self.seconds > 0:
+            lease.until = self._clock() + self.seconds
+
+    def drop(self, seq_id: int) -> L | None:
+        """Stop holding ``seq_id``; its record (None: it was not held)."""
+        return self._held.pop(seq_id, None)
 
     def due(self) -> bool:
         """Whether some lease ran out (cheap: no lock needed for a look)."""
         now = self._clock()
-        return any(until <= now for until in list(self._until.values()))
+        return any(held.until <= now for held in list(self._held.values()))
 
     def reclaim(self, forget: Callable[[int], object]) -> list[int]:
         """``forget`` every sequence whose lease ran out (its gateway is gone); their ids."""
         now = self._clock()
-        expired = [seq_id for seq_id, until in list(self._until.items()) if until <= now]
+        expired = [seq_id for seq_id, held in list(self._held.items()) if held.until <= now]
         for seq_id in expired:
             forget(seq_id)
             self.drop(seq_id)

@@ -11,10 +11,11 @@ liveness); health, reflection and Capacity answer meanwhile.
 Verify is idempotent per step: a drafter that relays a step may die after the verifier
 committed it, and the gateway then retries the step directly with its own committed length
 (the length *before* the last verification); it gets that verification's result again (kept
-per sequence with its hidden rows), nothing runs twice. Each held sequence has a lease
-(``--lease-seconds``) that each Prefill and Verify naming it renews; a reaper reclaims slots a
-dead gateway left, and a late call for one answers NOT_FOUND (the gateway re-prefills it from
-its history: nothing lost or duplicated).
+with its hidden rows), nothing runs twice. Each held sequence has a lease (``--lease-seconds``)
+that each Prefill and Verify naming it renews; a reaper reclaims slots a dead gateway left, and
+a late call for one answers NOT_FOUND (the gateway re-prefills it from its history: nothing
+lost or duplicated). Lease and last step are one record (``Held``), held and dropped with the
+slot and the free drafts' state of the sequence.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from services.metrics import VerifierMetrics
 from services.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
 from services.server import (
     ComputeThread,
+    Lease,
     Leases,
     Service,
     ServiceError,
@@ -64,6 +66,15 @@ class LastStep:
     hidden: torch.Tensor | None  # its accepted-path rows, when they were computed
 
 
+@dataclass(slots=True, eq=False)
+class Held(Lease):
+    """The verifier's record of a sequence beside the runner's (``TargetRunner``: slot, params,
+    next token): its lease and last step. Prefill holds it with the slot and the free drafts'
+    state of the sequence, ``_forget`` drops all three: nothing is half-released."""
+
+    last: LastStep | None = None
+
+
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(
         self,
@@ -84,10 +95,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.model_name = model_name
         self.vocab_size = runner.model.config.vocab_size
         self.metrics = VerifierMetrics(config.max_running)
-        self._last: dict[int, LastStep] = {}  # seq id -> its last verification
         self.compute = ComputeThread(compute, clock)  # every model call: one thread, one lock
         self.watch = self.compute.watch  # its progress, for liveness
-        self.leases = Leases(config.lease_seconds, clock)
+        self.leases: Leases[Held] = Leases(config.lease_seconds, clock)  # seq id -> its record
 
     @rpc_errors
     def Prefill(self, request, context) -> verifier_pb2.PrefillResponse:
@@ -101,11 +111,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 for job in jobs:
                     if job.next_token is not None:  # the gateway's history is the truth: a
                         self._forget(job.seq_id)  # copy this verifier still holds is stale
-                    prefilled = self.runner.prefill(
+                    prefilled = self.runner.prefill(  # (a duplicate is refused: nothing held)
                         job.seq_id, job.prompt, job.params, None, job.next_token, job.prompt_len
                     )
-                    done.append(job.seq_id)
-                    self.leases.hold(job.seq_id)
+                    done.append(job.seq_id)  # its record and free drafts: every piece of its
+                    self.leases.hold(job.seq_id, Held())  # state starts here, ends in _forget
                     self.free.start(job.seq_id, job.prompt, prefilled.first_token, job.params)
                     hidden.append(prefilled.hidden if job.return_hidden else None)
                     results.append(codec.encode_prefilled(job.seq_id, prefilled))
@@ -164,19 +174,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             return last, encoded, forward_seconds
 
         last, encoded, forward_seconds = self.compute.run(work)
-        results = []
-        for step, message in zip(last, encoded, strict=True):
-            result = verifier_pb2.VerifyResult()
+        results = [verifier_pb2.VerifyResult() for _ in last]
+        for result, step, message in zip(results, last, encoded, strict=True):
             result.CopyFrom(step.result)
             if message is not None:
                 result.hidden.CopyFrom(message)
-            results.append(result)
         return verifier_pb2.VerifyResponse(results=results, forward_seconds=forward_seconds)
 
     def _replay(self, job: codec.VerifyJob) -> LastStep | None:
         """The last verification of the job's sequence when the job retries it (its ref is
         the length before that verification, and nothing was committed since)."""
-        last = self._last.get(job.seq_id)
+        last = getattr(self.leases.get(job.seq_id), "last", None)
         if last is None or last.before != job.num_committed:
             return None
         if self.runner.num_committed(job.seq_id) != last.result.ref.num_committed:
@@ -207,34 +215,29 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if all(v.hidden is not None for _, v in runs):  # a copy: not a view of the batch's rows
             rows = torch.cat([v.hidden for _, v in runs]).clone()
         result = codec.encode_verify_result(job.seq_id, runs)
-        self._last[job.seq_id] = step = LastStep(job.num_committed, result, rows)
+        self.leases.get(job.seq_id).last = step = LastStep(job.num_committed, result, rows)
         return step
 
     def _forget(self, seq_id: int) -> bool:
+        """Drop every piece of a sequence's state, the slot before the free drafts (whatever
+        fails, no slot stays held without a lease to reclaim it); False when unknown."""
         self.leases.drop(seq_id)
-        self._last.pop(seq_id, None)
+        released = self.runner.release(seq_id)
+        self.metrics.slots(self.runner.num_free_slots)
         self.free.release(seq_id)
-        return self.runner.release(seq_id)
+        return released
 
     @rpc_errors
     def Release(self, request, context) -> common_pb2.ReleaseResponse:
-        def work() -> int:
-            released = sum(self._forget(seq_id) for seq_id in request.seq_ids)
-            self.metrics.slots(self.runner.num_free_slots)
-            return released
-
-        return common_pb2.ReleaseResponse(num_released=self.compute.run(work))
+        released = self.compute.run(lambda: sum(map(self._forget, request.seq_ids)))
+        return common_pb2.ReleaseResponse(num_released=released)
 
     def reclaim_expired(self) -> list[int]:
         """Release every sequence whose lease ran out (on the compute thread, under the model
         lock, so no call of it is running); the ids reclaimed."""
-
-        def work() -> list[int]:
-            expired = self.leases.reclaim(self._forget)
-            self.metrics.slots(self.runner.num_free_slots)
-            return expired
-
-        return self.compute.run(work) if self.leases.due() else []  # (idle: no compute job)
+        if not self.leases.due():  # (idle: no compute job)
+            return []
+        return self.compute.run(functools.partial(self.leases.reclaim, self._forget))
 
     @rpc_errors
     def Capacity(self, request, context) -> verifier_pb2.CapacityResponse:

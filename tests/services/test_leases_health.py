@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -18,7 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.backend import GenerationRequest
 from gateway.remote import RemoteBackend
+from lyanna.drafters.base import DraftBudget
 from lyanna.drafters.ngram import NgramDrafter
+from lyanna.multi_step import FreeDrafts
 from lyanna.sampling import SamplingParams
 from lyanna.target import TargetConfig, TargetRunner
 from services.config import ServerConfig
@@ -37,6 +40,7 @@ from services.verifier.config import VerifierConfig
 from services.verifier.server import SERVICE_NAME, VerifierServicer
 from tests.conftest import make_tiny_model
 from tests.services.remote_client import PROMPTS, Outcome, config_for, plain_greedy
+from tests.services.test_free_drafts import ChainDrafter
 from tests.services.test_servicers import Aborted, FakeContext, prefill, verify_item
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -46,9 +50,10 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 class Clock:
     def __init__(self) -> None:
         self.now = 1000.0
+        self.hook: Callable[[], float] | None = None  # once: what happens as time is read
 
     def __call__(self) -> float:
-        return self.now
+        return self.now if self.hook is None else self.hook()
 
 
 def leased_verifier(clock: Clock, lease_seconds: float = 10.0) -> VerifierServicer:
@@ -116,6 +121,62 @@ def test_no_lease_keeps_slots_until_released() -> None:
     assert servicer.reclaim_expired() == [] and 1 in servicer.runner
     with pytest.raises(ValueError):
         VerifierConfig(lease_seconds=-1)
+
+
+class FreeDrafter(ChainDrafter):
+    """Free drafts that learn nothing and whose release may fail."""
+
+    fails: bool = False
+
+    def on_verified(self, steps) -> dict[int, int]:
+        return {}
+
+    def release(self, seq_id: int) -> None:
+        super().release(seq_id)
+        if self.fails:
+            raise RuntimeError("release failed")
+
+
+def test_a_release_or_a_reap_leaves_nothing_of_the_sequence() -> None:
+    """A sequence ends in one place: its slot, its lease and last step, its free drafts go
+    together, the slot even when the free drafts' release fails (the lease gone, nothing
+    would reclaim it), and a lease renewed by a Verify (on arrival, off the compute thread)
+    that a Release overtakes stays gone: the reaper finds nothing to reclaim later."""
+    clock = Clock()
+    drafter = FreeDrafter(DraftBudget(), {})
+    drafter.fails = True  # the sequence's other state must go all the same
+    servicer = leased_verifier(clock)
+    servicer.free = FreeDrafts(drafter)
+    root = prefill(servicer, 1, [1, 2, 3])
+    verify = verifier_pb2.VerifyRequest(items=[verify_item(1, 3, root)])
+    servicer.Verify(verify, FakeContext())
+    release = common_pb2.ReleaseRequest(seq_ids=[1])
+    with pytest.raises(Aborted) as failed:  # the drafter's error is the caller's to see
+        servicer.Release(release, FakeContext())
+    assert failed.value.args[0] == grpc.StatusCode.INTERNAL
+    assert 1 not in servicer.runner and servicer.runner.num_free_slots == 2
+    assert drafter.roots == {} and servicer.leases.get(1) is None
+    clock.now += 11
+    assert servicer.reclaim_expired() == []  # nothing left to reap
+    servicer.free = FreeDrafts(FreeDrafter(DraftBudget(), {}))
+    root = prefill(servicer, 1, [1, 2, 3])  # the same id again: nothing was left behind
+    servicer.Verify(verifier_pb2.VerifyRequest(items=[verify_item(1, 3, root)]), FakeContext())
+
+    def release_first() -> float:  # the Release the compute thread runs meanwhile
+        clock.hook = None
+        assert servicer.Release(release, FakeContext()).num_released == 1
+        return clock.now
+
+    clock.hook = release_first
+    with pytest.raises(Aborted) as late:  # its renew ran, then the sequence was gone
+        servicer.Verify(verify, FakeContext())
+    assert late.value.args[0] == grpc.StatusCode.NOT_FOUND and clock.hook is None
+    clock.now += 11
+    assert servicer.reclaim_expired() == [] and servicer.leases.num_reclaimed == 0
+    prefill(servicer, 2, [4, 5])  # reaped: every piece of its state goes with the slot
+    clock.now += 11
+    assert servicer.reclaim_expired() == [2] and servicer.runner.num_free_slots == 2
+    assert servicer.free.drafter.roots == {} and servicer.leases.get(2) is None
 
 
 def test_a_reclaimed_sequence_is_re_prefilled_without_losing_a_token(
