@@ -50,9 +50,15 @@ class TrainConfig:
     init_from_target: bool = False
     fc_init: str = "random"
     out_norm: bool = True  # Lyanna ablation: False = no RMSNorm on the layer's output
+    feed_residual: bool = False  # Lyanna ablation: chain steps read the raw layer output
     # Lyanna: weight of a second cross-entropy on the hidden state alone (logits without the
     # token-info bias), so the state itself must carry the next token (0 = off)
     state_ce_weight: float = 0.0
+    # Lyanna's token-info embedding: the rank d of W1 W2 (free at serving time: the product
+    # is collapsed to a [num_hot, num_hot] table) and the start of RMSNorm's weight (the
+    # bias's scale; torch's default is 1.0)
+    info_rank: int = 256
+    info_scale_init: float = 0.1
     regression_loss: str = ""
     feature_noise: float = 0.0
     # bookkeeping
@@ -87,6 +93,8 @@ class TrainConfig:
             raise ValueError("regression_loss must be '', mse or smooth_l1")
         if self.fc_init not in ("identity", "balanced", "random"):
             raise ValueError("fc_init must be identity, balanced or random")
+        if self.info_rank < 1 or self.info_scale_init <= 0:
+            raise ValueError("need info_rank >= 1 and info_scale_init > 0")
         if self.state_ce_weight < 0:
             raise ValueError("state_ce_weight must be >= 0")
         if self.feature_noise < 0:

@@ -40,11 +40,15 @@ class LyannaTrainModel(nn.Module):
             use_token_info=config.token_info,
             fuse_first_token=config.fuse_first_token,
             out_norm=config.out_norm,
+            info_rank=config.info_rank,
+            feed_residual=config.feed_residual,
         )
         model = cls(LyannaDraftModel(draft_config, target.embedding, target.hot_vocab), config)
         state = default_target_state(target_config) if config.init_from_target else None
         if state is not None:
             model.init_from_target(state)
+        with torch.no_grad():
+            model.draft.info_norm.weight.fill_(config.info_scale_init)
         fc = model.draft.fc
         if config.fc_init == "random":
             fc.reset_parameters()

@@ -38,6 +38,10 @@ class LyannaDraftConfig:
     # ablation (issue 41, training and training.evaluate only; the serving drafter always
     # applies out_norm): False feeds the layer's raw residual output on, as EAGLE does
     out_norm: bool = True
+    # ablation (issue 41, training and training.evaluate only): True feeds chain step k + 1
+    # the layer's raw residual output of step k (a weight-tied deeper stack read out through
+    # out_norm), False (the paper's h_(i+1) = Layer(h_i)) feeds the normed state
+    feed_residual: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.num_hot <= self.target.vocab_size:
@@ -133,10 +137,10 @@ class LyannaDraftModel(nn.Module):
         for i in range(steps):
             mask = torch.cat([causal] + [diag] * i, dim=1)  # [T-1, (i+1)(T-1)]
             ctx = _training_context(store, positions + i, mask, self.rope_cos, self.rope_sin)
-            y = self.layer(x, ctx, 0)
-            y = self.out_norm(y) if self.config.out_norm else y
+            raw = self.layer(x, ctx, 0)
+            y = self.out_norm(raw) if self.config.out_norm else raw
             outputs.append(y)
-            x = y
+            x = raw if self.config.feed_residual else y
         return outputs
 
 

@@ -205,3 +205,33 @@ def test_ablation_flags_reach_the_model_and_remove_the_input(flag: str) -> None:
         assert not torch.allclose(*outputs)
         assert float(bias[0].abs().max()) == 0.0 and float(bias[1].abs().max()) == 0.0
     assert draft_loss(draft, hidden, tokens, mask)[0].isfinite()
+
+
+def test_info_and_chain_knobs_reach_the_model() -> None:
+    """`--info-rank`, `--info-scale-init` and `--feed-residual true` (issue 41 ablations) build
+    that model: the rank of W1 W2, RMSNorm's starting weight, and a chain whose step 2 reads
+    the layer's raw output (step 1 unchanged, step 2 different from the normed feed)."""
+    from training.config import parse_overrides
+    from training.losses import FrozenTarget
+    from training.lyanna import LyannaTrainModel
+
+    target = make_tiny_model(5, vocab_size=VOCAB)
+    frozen = FrozenTarget.from_embedding(target.embed_tokens.weight, torch.arange(8))
+    base = ["--hot-vocab-size", "8"]
+    knobs = ["--info-rank", "12", "--info-scale-init", "0.7", "--feed-residual", "true"]
+    torch.manual_seed(0)
+    plain = LyannaTrainModel.build(frozen, target.config, parse_overrides(base)).draft
+    torch.manual_seed(0)
+    tuned = LyannaTrainModel.build(frozen, target.config, parse_overrides(base + knobs)).draft
+    assert tuned.w1.shape[1] == 12 and tuned.w2.shape[0] == 12
+    assert torch.all(tuned.info_norm.weight == 0.7) and torch.all(plain.info_norm.weight == 0.1)
+    tuned.load_state_dict(
+        {k: v for k, v in plain.state_dict().items() if k not in ("w1", "w2", "info_norm.weight")},
+        strict=False,
+    )
+    hidden = torch.randn(1, 10, target.config.hidden_size)
+    tokens = torch.randint(0, 8, (1, 10))
+    with torch.no_grad():
+        a, b = plain.unrolled(hidden, tokens, 2), tuned.unrolled(hidden, tokens, 2)
+    torch.testing.assert_close(a[0], b[0])
+    assert not torch.allclose(a[1], b[1])
