@@ -183,11 +183,13 @@ def random_drafter(
     budget: DraftBudget = DRAFT_BUDGET,
     max_running: int = 4,
     max_len: int = 400,
+    feed_residual: bool = False,
     **flags,
 ):
     """An EAGLE-2 or Lyanna drafter with random weights (the same for the same seed) next to
     ``model``, on the device-generic path a GPU runs (``flags``: e.g. ``generic=False`` for
-    the CPU fast paths, ``device_steps=False`` for the host-built trees)."""
+    the CPU fast paths, ``device_steps=False`` for the host-built trees; ``feed_residual``:
+    Lyanna's chain feeds itself the layer's raw output)."""
     torch.manual_seed(seed)
     config = model.config
     hot = torch.randperm(config.vocab_size)[: max(16, config.vocab_size // 2)]
@@ -197,7 +199,9 @@ def random_drafter(
         head = EagleHead(EagleConfig.for_target(config, hot.numel()))
         head.hot_vocab.copy_(hot)
         return EagleDrafter(model, head, **kwargs)
-    draft_config = LyannaDraftConfig(config, num_hot=hot.numel(), info_rank=16)
+    draft_config = LyannaDraftConfig(
+        config, num_hot=hot.numel(), info_rank=16, feed_residual=feed_residual
+    )
     draft = LyannaDraftModel(draft_config, model.embed_tokens.weight, hot)
     with torch.no_grad():
         draft.w2.normal_(0.0, 0.5)  # a token-info table that changes the trees

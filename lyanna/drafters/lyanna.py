@@ -250,7 +250,7 @@ class LyannaDrafter(SampledDrafting):
     def _chains(self, states: list[_SeqState]) -> torch.Tensor:  # [B, N, n]
         """h1 from the pending context, then h2..hN from the chain alone."""
         draft, cache, place = self.draft, self.cache, self.placement
-        h = self._context(states)
+        h, x = draft.read_out(self._context(states))
         if self.budget.depth == 1:  # h1 alone (the 4-bit CPU default): no chain step to run
             return h[:, None]
         slots = torch.tensor([s.slot for s in states])  # CPU bookkeeping, as the target's
@@ -259,7 +259,7 @@ class LyannaDrafter(SampledDrafting):
         for step in range(1, self.budget.depth):
             pos = place.ids([[p + step - 1] for p in context_len])
             ctx = eager_context(cache, slots, pos, None, draft.rope_cos, draft.rope_sin)
-            h = draft.out_norm(draft.layer(h[:, None], ctx, 0)[:, 0])
+            h, x = draft.read_out(draft.layer(x[:, None], ctx, 0)[:, 0])
             for s in states:
                 cache.commit_prefix(s.slot, 1)
             chain.append(h)
@@ -267,9 +267,10 @@ class LyannaDrafter(SampledDrafting):
             cache.truncate(s.slot, length)
         return torch.stack(chain, dim=1)
 
-    def _context(self, states: list[_SeqState]) -> torch.Tensor:  # [B, n] h1
+    def _context(self, states: list[_SeqState]) -> torch.Tensor:  # [B, n] raw h1
         """Run each sequence's pending fused inputs into the draft KV (one eager forward:
-        their counts vary like a prompt's) and commit them; the last output is h1."""
+        their counts vary like a prompt's) and commit them; the last raw output yields h1
+        (``draft.chain_step``)."""
         draft, cache, place = self.draft, self.cache, self.placement
         for s in states:
             self._fuse_pending(s)
@@ -299,7 +300,7 @@ class LyannaDrafter(SampledDrafting):
             cache.commit_prefix(s.slot, m)
             s.next_position += m
             s.pending = s.pending[:0]
-        return draft.out_norm(last)  # [B, n] = h1
+        return last  # [B, n]: h1 = out_norm(last)
 
     @property
     def steps(self) -> CapturedSteps:
@@ -320,7 +321,7 @@ class LyannaDrafter(SampledDrafting):
         host path (tests/unit/test_static_draft.py)."""
         cache, steps = self.cache, self.steps
         with scope(LAYER_SCOPE):
-            h1 = self._context(states)  # [B, n]
+            h1 = self._context(states)  # [B, n] raw (the step reads it out)
         slots = [s.slot for s in states]
         batch = draft_window(cache, slots)
         index = torch.tensor(slots)

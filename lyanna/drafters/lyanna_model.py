@@ -38,9 +38,9 @@ class LyannaDraftConfig:
     # ablation (issue 41, training and training.evaluate only; the serving drafter always
     # applies out_norm): False feeds the layer's raw residual output on, as EAGLE does
     out_norm: bool = True
-    # ablation (issue 41, training and training.evaluate only): True feeds chain step k + 1
-    # the layer's raw residual output of step k (a weight-tied deeper stack read out through
-    # out_norm), False (the paper's h_(i+1) = Layer(h_i)) feeds the normed state
+    # True feeds chain step k + 1 the layer's raw residual output of step k (a weight-tied
+    # deeper stack read out through out_norm); False (the paper's h_(i+1) = Layer(h_i)) feeds
+    # the normed state. Training, evaluation and serving all follow it (issue 41)
     feed_residual: bool = False
 
     def __post_init__(self) -> None:
@@ -110,6 +110,12 @@ class LyannaDraftModel(nn.Module):
     def collapsed_token_info(self, dtype: torch.dtype = torch.float16) -> torch.Tensor:
         """The lookup table T[hot row] = RMSNorm(E'(hot token)): [num_hot, num_hot]."""
         return self.token_info(self.hot_ids).to(dtype)
+
+    def read_out(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's raw output of one chain step -> (its state h = out_norm(raw), the next
+        step's input: ``raw`` with ``feed_residual``, else ``h``)."""
+        h = self.out_norm(raw)
+        return h, (raw if self.config.feed_residual else h)
 
     def chain_logits(self, chain: torch.Tensor) -> torch.Tensor:
         """One-pass raw logits over the hot vocabulary: chain [..., N, n] -> [..., N, num_hot]."""

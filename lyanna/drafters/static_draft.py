@@ -219,7 +219,7 @@ def lyanna_steps(drafter: ChainDrafter, capture: bool | None = None, wrap=None) 
         steps, width = key.steps, max(key.steps - 1, 1)
 
         def chain_step(
-            h1: torch.Tensor,  # [B, n] the chain's first state (after the context)
+            h1: torch.Tensor,  # [B, n] the layer's raw last output over the context
             lengths: torch.Tensor,  # [B] committed draft rows (the context) of each slot
             roots_hot: torch.Tensor,  # [B] int64 hot row of each root token, -1 if cold
         ):
@@ -227,7 +227,8 @@ def lyanna_steps(drafter: ChainDrafter, capture: bool | None = None, wrap=None) 
             and writes that row; it sees the context and the chain rows before it."""
             B = h1.shape[0]
             chain_rows = torch.arange(width, device=h1.device)
-            h, chain = h1, [h1]
+            h, x = draft.read_out(h1)
+            chain = [h]
             for j in range(1, steps):
                 rows = (lengths + j - 1)[:, None]  # [B, 1]
                 visible = (chain_rows < j)[None, None].expand(B, 1, width)
@@ -242,7 +243,7 @@ def lyanna_steps(drafter: ChainDrafter, capture: bool | None = None, wrap=None) 
                     draft.rope_cos,
                     draft.rope_sin,
                 )
-                h = draft.out_norm(draft.layer(h[:, None], ctx, 0)[:, 0])
+                h, x = draft.read_out(draft.layer(x[:, None], ctx, 0)[:, 0])
                 chain.append(h)
             logits = drafter.lm_head(torch.stack(chain, dim=1))  # [B, N, num_hot]: one GEMM
             columns, parents, probs = device_subtrees(logits, roots_hot, key.k, drafter.info_table)

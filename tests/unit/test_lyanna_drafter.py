@@ -139,6 +139,28 @@ def test_chain_does_not_depend_on_sampled_tokens() -> None:
     assert not torch.equal(trees[0].tokens, trees[1].tokens)
 
 
+@pytest.mark.parametrize("feed_residual", [False, True], ids=["normed-feed", "residual-feed"])
+def test_served_chain_is_the_trained_chain(feed_residual: bool) -> None:
+    """The drafter's chain logits for a sequence equal the training pass's (``unrolled``) at
+    its last anchor, step for step, whichever input the chain feeds itself."""
+    import dataclasses
+
+    target = make_tiny_model(5, vocab_size=VOCAB)
+    draft = tiny_draft(target, seed=2)
+    draft.config = dataclasses.replace(draft.config, feed_residual=feed_residual)
+    torch.manual_seed(4)
+    hidden = torch.randn(6, target.config.hidden_size)
+    drafter = LyannaDrafter(target, draft, DraftBudget(depth=3, top_k=2, max_tokens=6))
+    drafter.start(0, [1, 2, 3, 4, 5, 6], hidden, 7)
+    drafter.propose([0])
+    served = drafter.seqs[0].chain_logits.float()
+    padded = torch.cat([hidden, torch.zeros(1, hidden.shape[1])])[None]  # the anchor j = 5
+    with torch.no_grad():
+        chain = draft.unrolled(padded, torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), 3)
+        trained = torch.stack([y[0, 5] for y in chain]) @ draft.hot_head.T
+    torch.testing.assert_close(served, trained, rtol=1e-4, atol=1e-4)
+
+
 def test_fused_tree_holds_both_trees_within_budget() -> None:
     target = make_tiny_model(6, vocab_size=VOCAB)
     drafter = LyannaDrafter(

@@ -49,6 +49,23 @@ def test_device_steps_draft_the_host_trees(method, generic, budget, model) -> No
         assert len({k.kv_len for k in keys}) >= 2
 
 
+@pytest.mark.parametrize("generic", [False, True], ids=["cpu-fast", "generic"])
+def test_a_residual_fed_chain_drafts_the_host_trees(generic, model) -> None:
+    """The device chain step feeds itself what the host chain does when the chain reads the
+    layer's raw output (``feed_residual``), not only the normed state."""
+    budget = DraftBudget(depth=4, top_k=3, max_tokens=16)
+    host, device = (
+        random_drafter("lyanna", model, 3, budget, generic=generic, device_steps=steps,
+                       feed_residual=True)
+        for steps in (False, True)
+    )  # fmt: skip
+    assert device.draft.config.feed_residual
+    with one_thread():
+        run = lockstep(model, [host, device], steps=40, seed=5)
+    assert run.mismatches == 0, run.first_mismatch
+    assert run.steps == 40 and run.trees >= 60
+
+
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
