@@ -14,15 +14,12 @@ says how much a better chain could still give.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from lyanna.model import fetch_default_model, read_hf_dir
-from lyanna.model.default import cache_root
-from training.evaluate import Drafter, evaluation_batches, load_drafter
+from training.evaluate import Drafter, load_drafter, probe_inputs, probe_parser
 
 COLUMNS = ("state_alone", "state_and_bias", "true_state_and_bias", "cosine", "bias_rms")
 
@@ -59,18 +56,10 @@ def _hits(hot_ids: torch.Tensor, logits: torch.Tensor, best: torch.Tensor) -> fl
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoints", nargs="+", help="NAME:DIR of exported Lyanna drafters")
-    parser.add_argument("--data", default="distill-heldout-v1")
-    parser.add_argument("--max-sequences", type=int, default=24)
+    parser = probe_parser(__doc__.split("\n\n")[0], "NAME:DIR of exported Lyanna drafters")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    target_config, state = read_hf_dir(fetch_default_model())
-    embedding = state["model.embed_tokens.weight"].float()
-    del state
-    batches = evaluation_batches([cache_root() / "data" / args.data], args.max_sequences)
+    target_config, embedding, batches = probe_inputs(args)
     print("| run | step | " + " | ".join(COLUMNS) + " | rows |")
     print("|---" * (len(COLUMNS) + 3) + "|")
     for spec in args.checkpoints:

@@ -37,7 +37,7 @@ from lyanna.drafters.checkpoint import checkpoint_dir, read_checkpoint
 from lyanna.drafters.heads import FULL_VOCAB_CHUNK
 from lyanna.model import fetch_default_model, read_hf_dir
 from lyanna.model.config import ModelConfig
-from lyanna.model.default import sha256_of
+from lyanna.model.default import cache_root, sha256_of
 from training.config import TrainConfig
 from training.data import iter_sequences, shard_path
 from training.losses import FrozenTarget, TrainBatch
@@ -214,6 +214,27 @@ def evaluation_batches(run_dirs: list[Path], max_sequences: int = 0,
     lengths = [s.tokens.shape[0] for s in sequences]
     return [collate([sequences[i] for i in b], config)
             for b in plan_batches(lengths, config, epoch=-1)]  # fmt: skip
+
+
+def probe_parser(description: str, checkpoints: str) -> argparse.ArgumentParser:
+    """The command line the analysis probes share (``training.step1_probe``,
+    ``training.chain_probe``): checkpoints, held-out run, how many sequences, threads."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("checkpoints", nargs="+", help=checkpoints)
+    parser.add_argument("--data", default=HELD_OUT)
+    parser.add_argument("--max-sequences", type=int, default=24)
+    parser.add_argument("--threads", type=int, default=1)
+    return parser
+
+
+def probe_inputs(args: argparse.Namespace) -> tuple[ModelConfig, torch.Tensor, list[TrainBatch]]:
+    """The default target's config and fp32 embedding (the tied LM head) and the first
+    ``args.max_sequences`` sequences of ``args.data`` in batches, on ``args.threads``."""
+    torch.set_num_threads(args.threads)
+    target_config, state = read_hf_dir(fetch_default_model())
+    embedding = state["model.embed_tokens.weight"].float()
+    batches = evaluation_batches([cache_root() / "data" / args.data], args.max_sequences)
+    return target_config, embedding, batches
 
 
 def evaluate(drafters: list[Drafter], batches: list[TrainBatch], embedding: torch.Tensor,

@@ -12,15 +12,12 @@ path from Lyanna's token-info bias.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from lyanna.model import fetch_default_model, read_hf_dir
-from lyanna.model.default import cache_root
-from training.evaluate import Drafter, evaluation_batches, load_drafter
+from training.evaluate import Drafter, load_drafter, probe_inputs, probe_parser
 
 
 @torch.no_grad()
@@ -44,17 +41,8 @@ def probe(model, kind: str, batches) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoints", nargs="+", help="NAME:KIND:DIR")
-    parser.add_argument("--data", default="distill-heldout-v1")
-    parser.add_argument("--max-sequences", type=int, default=24)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    target_config, state = read_hf_dir(fetch_default_model())
-    embedding = state["model.embed_tokens.weight"].float()
-    del state
-    batches = evaluation_batches([cache_root() / "data" / args.data], args.max_sequences)
+    args = probe_parser(__doc__.split("\n\n")[0], "NAME:KIND:DIR").parse_args(argv)
+    target_config, embedding, batches = probe_inputs(args)
     for spec in args.checkpoints:
         name, kind, path = spec.split(":", 2)
         model = load_drafter(Drafter(name, kind, Path(path)), embedding, target_config)
