@@ -270,7 +270,7 @@ class LyannaDrafter(SampledDrafting):
     def _context(self, states: list[_SeqState]) -> torch.Tensor:  # [B, n] raw h1
         """Run each sequence's pending fused inputs into the draft KV (one eager forward:
         their counts vary like a prompt's) and commit them; the last raw output yields h1
-        (``draft.chain_step``)."""
+        (``draft.read_out``)."""
         draft, cache, place = self.draft, self.cache, self.placement
         for s in states:
             self._fuse_pending(s)
