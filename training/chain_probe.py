@@ -38,7 +38,7 @@ def probe(draft, embedding: torch.Tensor, batches, steps: int) -> list[dict[str,
                 break
             keep = b.answer[:, i + 1 : i + 1 + valid]  # the predicted token is an answer
             pred, true = y[:, :valid][keep], b.hidden[:, i : i + valid][keep]
-            bias = draft.token_info(b.tokens[:, i : i + valid][keep])
+            bias = draft.token_info(b.tokens[:, i : i + valid][keep], pred)
             best = (true @ embedding.T).argmax(-1)
             s = sums[i - 1]
             s["state_alone"] += _hits(hot, pred @ head.T, best)

@@ -59,6 +59,7 @@ class TrainConfig:
     # bias's scale; torch's default is 1.0)
     info_rank: int = 256
     info_scale_init: float = 0.1
+    info_gate: bool = False  # the bias gated by the chain state (LyannaDraftConfig.info_gate)
     regression_loss: str = ""
     feature_noise: float = 0.0
     # bookkeeping

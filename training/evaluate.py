@@ -120,7 +120,7 @@ def lyanna_first_choices(model, batch: TrainBatch, steps: int) -> list[torch.Ten
         first = torch.full((B, T), -1, dtype=torch.int64, device=y.device)
         rows = y[:, : T - k].reshape(-1, y.shape[-1])  # anchors 0 .. T-k-1 -> s = k .. T-1
         parents = batch.tokens[:, k:].reshape(-1)
-        hot = _hot_argmax(rows, head, lambda s, p=parents: draft.token_info(p[s]))
+        hot = _hot_argmax(rows, head, lambda s, p=parents, r=rows: draft.token_info(p[s], r[s]))
         first[:, k:] = draft.hot_ids[hot].view(B, T - k)
         out.append(first)
     return out

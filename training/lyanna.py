@@ -42,6 +42,7 @@ class LyannaTrainModel(nn.Module):
             out_norm=config.out_norm,
             info_rank=config.info_rank,
             feed_residual=config.feed_residual,
+            info_gate=config.info_gate,
         )
         model = cls(LyannaDraftModel(draft_config, target.embedding, target.hot_vocab), config)
         state = default_target_state(target_config) if config.init_from_target else None
@@ -106,10 +107,13 @@ class LyannaTrainModel(nn.Module):
         return self.draft.config.to_dict()
 
 
-def token_info_factors(model: LyannaDraftModel, parents: torch.Tensor) -> TokenInfo:
-    """The token-info bias of ``parents`` [R] as ``fused_hot_ce`` takes it: the same numbers
-    as ``model.token_info(parents)`` without its ``[R, num_hot]`` rows."""
-    a = model.embedding[parents].to(model.w1.dtype) @ model.w1  # [R, rank]
+def token_info_factors(
+    model: LyannaDraftModel, parents: torch.Tensor, states: torch.Tensor | None = None
+) -> TokenInfo:
+    """The token-info bias of ``parents`` [R] (at chain ``states`` [R, n]) as ``fused_hot_ce``
+    takes it: the same numbers as ``model.token_info(parents, states)`` without its
+    ``[R, num_hot]`` rows."""
+    a = model.info_factors(parents, states)  # [R, rank]
     keep = (model.hot_index[parents] >= 0) & model.config.use_token_info
     norm = model.info_norm
     return TokenInfo(a, model.w2, norm.weight, keep, norm.eps)
@@ -172,7 +176,7 @@ def draft_loss(
         parents = step_parents[answer]
         rows, targets = pred[answer], target_h[answer]
         out = fused_hot_ce(rows, head, targets, torch.ones_like(parents, dtype=torch.float32),
-                           token_info_factors(model, parents))  # fmt: skip
+                           token_info_factors(model, parents, rows))  # fmt: skip
         ce = out.loss / max(1, rows.shape[0])
         total = total + alpha * mse + beta * ce
         if state_ce:
@@ -201,6 +205,6 @@ def first_choices(model: LyannaDraftModel, pred: torch.Tensor, parents: torch.Te
     head = model.hot_head
     for start in range(0, flat.shape[0], chunk):
         s = slice(start, start + chunk)
-        logits = rows[s].float() @ head.T + model.token_info(flat[s])
+        logits = rows[s].float() @ head.T + model.token_info(flat[s], rows[s])
         out[s] = model.hot_ids[logits.argmax(-1)]
     return out.view(parents.shape)

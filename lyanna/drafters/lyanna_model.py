@@ -42,6 +42,12 @@ class LyannaDraftConfig:
     # deeper stack read out through out_norm); False (the paper's h_(i+1) = Layer(h_i)) feeds
     # the normed state. Training, evaluation and serving all follow it (issue 41)
     feed_residual: bool = False
+    # issue 41: the parent's token info gated by the chain state, a = (W_E[t] W1) * (1 + G h)
+    # with G [rank x n] starting at zero (= the paper's bias at the start): the bias can then
+    # depend on the context the state carries, not on the parent alone. The state is
+    # canonical still (no token enters the chain), but the bias is no longer one table row:
+    # training and ``training.evaluate`` only, the serving drafter refuses it
+    info_gate: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.num_hot <= self.target.vocab_size:
@@ -60,7 +66,8 @@ class LyannaDraftConfig:
 
 
 class LyannaDraftModel(nn.Module):
-    """Trainable parts: ``fc``, ``layer``, ``out_norm``, ``w1``, ``w2``, ``info_norm``.
+    """Trainable parts: ``fc``, ``layer``, ``out_norm``, ``w1``, ``w2``, ``info_norm`` (and
+    ``info_gate`` with ``config.info_gate``).
     The target's embedding (= tied LM head) is shared and frozen, never saved."""
 
     def __init__(self, config: LyannaDraftConfig, embedding: torch.Tensor, hot_ids: torch.Tensor):
@@ -78,6 +85,10 @@ class LyannaDraftModel(nn.Module):
         self.w1 = nn.Parameter(torch.randn(t.hidden_size, config.info_rank) / t.hidden_size**0.5)
         self.w2 = nn.Parameter(torch.zeros(config.info_rank, config.num_hot))
         self.info_norm = RMSNorm(config.num_hot, t.rms_norm_eps)
+        self.info_gate = None
+        if config.info_gate:
+            self.info_gate = nn.Linear(t.hidden_size, config.info_rank, bias=False)
+            nn.init.zeros_(self.info_gate.weight)
         cos, sin = rope_tables(t)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -99,16 +110,32 @@ class LyannaDraftModel(nn.Module):
             emb = torch.zeros_like(emb)
         return self.fc(torch.cat([hidden, emb], dim=-1))
 
-    def token_info(self, parent_tokens: torch.Tensor) -> torch.Tensor:
+    def info_factors(
+        self, parent_tokens: torch.Tensor, states: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``a = W_E[t] W1`` per parent token [...] -> [..., rank], gated by the chain state
+        [..., n] that the bias joins with ``config.info_gate``."""
+        a = self.embedding[parent_tokens].to(self.w1.dtype) @ self.w1
+        if self.info_gate is not None:
+            if states is None:
+                raise ValueError("an info_gate drafter's token info needs the chain states")
+            a = a * (1.0 + self.info_gate(states.to(a.dtype)))
+        return a
+
+    def token_info(
+        self, parent_tokens: torch.Tensor, states: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """RMSNorm(W_E[t] W1 W2) per parent token: [...] -> [..., num_hot]; zero for tokens
-        outside the hot set or when token info is disabled."""
-        rows = self.info_norm(self.embedding[parent_tokens].to(self.w1.dtype) @ self.w1 @ self.w2)
+        outside the hot set or when token info is disabled (``states``: see ``info_factors``)."""
+        rows = self.info_norm(self.info_factors(parent_tokens, states) @ self.w2)
         keep = (self.hot_index[parent_tokens] >= 0) & self.config.use_token_info
         return rows * keep.unsqueeze(-1).to(rows.dtype)
 
     @torch.no_grad()
     def collapsed_token_info(self, dtype: torch.dtype = torch.float16) -> torch.Tensor:
         """The lookup table T[hot row] = RMSNorm(E'(hot token)): [num_hot, num_hot]."""
+        if self.info_gate is not None:
+            raise ValueError("a state-gated token info (info_gate) has no lookup table")
         return self.token_info(self.hot_ids).to(dtype)
 
     def read_out(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

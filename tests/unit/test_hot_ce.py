@@ -77,9 +77,11 @@ def test_without_a_gradient_nothing_is_kept_and_backward_refuses() -> None:
     torch.testing.assert_close(out.loss, ref)
 
 
-def test_lyanna_draft_loss_matches_the_unchunked_formula() -> None:
+@pytest.mark.parametrize("info_gate", [False, True], ids=["table-bias", "state-gated-bias"])
+def test_lyanna_draft_loss_matches_the_unchunked_formula(info_gate: bool) -> None:
     """``training.lyanna.draft_loss`` (fused) against the loss written out with the model's own
-    ``token_info`` rows and a plain softmax cross-entropy: same value, same gradients."""
+    ``token_info`` rows and a plain softmax cross-entropy: same value, same gradients (with
+    ``info_gate``, the gate's gradient too: it reaches the fused product through ``a``)."""
     from lyanna.drafters.lyanna_model import LyannaDraftConfig, LyannaDraftModel
     from training.lyanna import draft_loss
 
@@ -87,10 +89,12 @@ def test_lyanna_draft_loss_matches_the_unchunked_formula() -> None:
     torch.manual_seed(0)
     hot = torch.randperm(40)[:24]
     draft = LyannaDraftModel(LyannaDraftConfig(target.config, num_hot=24, info_rank=8,
-                                               chain_steps=3),
+                                               chain_steps=3, info_gate=info_gate),
                              target.embed_tokens.weight, hot)  # fmt: skip
     with torch.no_grad():
         draft.w2.normal_()
+        if info_gate:
+            draft.info_gate.weight.normal_(std=0.3)
     hidden = torch.randn(2, 11, target.config.hidden_size)
     tokens = torch.randint(0, 40, (2, 11))
     mask = torch.rand(2, 11) > 0.3
@@ -108,7 +112,8 @@ def test_lyanna_draft_loss_matches_the_unchunked_formula() -> None:
         w = weight[:, i + 1 : i + 1 + valid]
         mse = ((pred - target_h).pow(2).mean(-1) * w).sum() / w.sum().clamp_min(1.0)
         answer = w >= 1.0
-        logits = pred[answer] @ head.T + draft.token_info(tokens[:, i : i + valid][answer])
+        parents = tokens[:, i : i + valid][answer]
+        logits = pred[answer] @ head.T + draft.token_info(parents, pred[answer])
         p = (target_h[answer] @ head.T).softmax(-1)
         ce = -(p * logits.log_softmax(-1)).sum(-1).mean()
         total = total + 0.5 * mse + 0.7 * ce
@@ -117,6 +122,7 @@ def test_lyanna_draft_loss_matches_the_unchunked_formula() -> None:
         assert metrics[f"top1_{i}"] == pytest.approx(float(top1))
     (total / 3).backward()
     torch.testing.assert_close(loss.detach(), (total / 3).detach())
+    assert ("info_gate.weight" in fused_grads) == info_gate
     for name, param in draft.named_parameters():
         torch.testing.assert_close(fused_grads[name], param.grad, rtol=1e-4, atol=1e-6)
 

@@ -4,6 +4,7 @@ temperature-0 output equal to plain decoding with fusion on and off."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -143,7 +144,6 @@ def test_chain_does_not_depend_on_sampled_tokens() -> None:
 def test_served_chain_is_the_trained_chain(feed_residual: bool) -> None:
     """The drafter's chain logits for a sequence equal the training pass's (``unrolled``) at
     its last anchor, step for step, whichever input the chain feeds itself."""
-    import dataclasses
 
     target = make_tiny_model(5, vocab_size=VOCAB)
     draft = tiny_draft(target, seed=2)
@@ -257,3 +257,38 @@ def test_info_and_chain_knobs_reach_the_model() -> None:
         a, b = plain.unrolled(hidden, tokens, 2), tuned.unrolled(hidden, tokens, 2)
     torch.testing.assert_close(a[0], b[0])
     assert not torch.allclose(a[1], b[1])
+
+
+def test_state_gated_token_info() -> None:
+    """``info_gate`` (issue 41): the bias is RMSNorm(((W_E[t] W1) * (1 + G h)) W2), written out
+    here by hand; it starts as the paper's table bias (G = 0), then depends on the chain state,
+    so it has no lookup table and the serving drafter refuses it."""
+    target = make_tiny_model(5, vocab_size=VOCAB)
+    hot = torch.arange(8)
+    n = target.config.hidden_size
+    torch.manual_seed(0)
+    config = LyannaDraftConfig(target.config, num_hot=8, info_rank=4, chain_steps=3)
+    plain = LyannaDraftModel(config, target.embed_tokens.weight, hot)
+    gated = LyannaDraftModel(dataclasses.replace(config, info_gate=True),
+                             target.embed_tokens.weight, hot)  # fmt: skip
+    gated.load_state_dict(plain.state_dict(), strict=False)
+    with torch.no_grad():
+        plain.w2.normal_()
+        gated.w2.copy_(plain.w2)
+    parents, states = torch.tensor([1, 5, 7]), torch.randn(3, n)
+    torch.testing.assert_close(gated.token_info(parents, states), plain.token_info(parents))
+    with torch.no_grad():
+        gated.info_gate.weight.normal_()
+    a = target.embed_tokens.weight[parents] @ gated.w1 * (1 + states @ gated.info_gate.weight.T)
+    u = a @ gated.w2
+    by_hand = 0.1 * u / (u.pow(2).mean(-1, keepdim=True) + target.config.rms_norm_eps).sqrt()
+    with torch.no_grad():
+        torch.testing.assert_close(gated.token_info(parents, states), by_hand)
+        assert not torch.allclose(gated.token_info(parents, states),
+                                  gated.token_info(parents, states.flip(0)))  # fmt: skip
+    with pytest.raises(ValueError, match="chain states"):
+        gated.token_info(parents)
+    with pytest.raises(ValueError, match="lookup table"):
+        gated.collapsed_token_info()
+    with pytest.raises(ValueError, match="lookup table"):
+        LyannaDrafter(target, gated, max_running=1)
