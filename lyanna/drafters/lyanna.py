@@ -40,7 +40,7 @@ from lyanna.drafters.placement import DraftPlacement, to_host
 from lyanna.drafters.sampled import DraftSampling, SampledDrafting
 from lyanna.drafters.scopes import LAYER_SCOPE, LM_HEAD_SCOPE, scope
 from lyanna.drafters.static_draft import ChainKey, draft_window, kv_bucket, lyanna_steps
-from lyanna.drafters.token_info_tree import build_subtrees, resample_subtree
+from lyanna.drafters.token_info_tree import GatedTokenInfo, build_subtrees, resample_subtree
 from lyanna.model.kv_cache import KVCache
 from lyanna.model.quant import runs_q4
 from lyanna.model.static_step import CapturedSteps
@@ -67,6 +67,7 @@ class _SeqState:
     # sequence next drafts (a gated-off sequence may not draft for many steps)
     unfused: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     chain_logits: torch.Tensor | None = None  # [N, num_hot] of the last fresh chain
+    chain_gates: torch.Tensor | None = None  # [N, rank] its token-info gates (info_gate only)
     resampled: DraftNodes | None = None
     resampled_paths: frozenset[tuple[int, ...]] = frozenset()  # token paths only it proposed
 
@@ -99,18 +100,23 @@ class LyannaDrafter(SampledDrafting):
         self.device_steps = place.generic if device_steps is None else device_steps
         # the hot maps build trees and index their rows: CPU bookkeeping on every device
         self.hot_ids, self.hot_index = draft.hot_ids.cpu(), draft.hot_index.cpu()
+        gated = draft.info_gate is not None and draft.config.use_token_info
+        if gated:  # no table for the captured device step to read: the host loop builds trees
+            self.device_steps = False
+        self._gated: GatedTokenInfo | None = None
+        self._gate: torch.Tensor | None = None  # [rank, n] G of ``1 + G h``
         if place.generic:  # plain modules on the target's device (the table from fp32 weights)
             place.move(draft)
-            info = draft.collapsed_token_info() if draft.config.use_token_info else None
+            info = self._token_info(draft, gated)
             place.move(draft, draft.fc, draft.layer, draft.out_norm)
             self.lm_head = hot_lm_head(draft.embedding, self.hot_ids, place.dtype, generic=True)
         else:  # the CPU fast paths
             dtype = draft_weight_dtype(target) if weight_dtype == "auto" else weight_dtype
+            info = self._token_info(draft, gated)  # from the fp32 weights, before packing
             prepare_draft_layers(draft, dtype, q4_layers=runs_q4(target))  # once, in place
             shared = draft.embedding.data_ptr() == target.embed_tokens.weight.data_ptr()
             blocks = embedding_blocks(target) if shared else None  # the target's own rows
             self.lm_head = hot_lm_head(draft.embedding, draft.hot_ids, dtype, blocks)
-            info = draft.collapsed_token_info() if draft.config.use_token_info else None
         self.info_table = info  # [num_hot, num_hot] on the draft's device, or None
         self.budget = budget or DraftBudget()
         self._init_sampling(sample_drafts)  # and the gain calibrations
@@ -126,6 +132,29 @@ class LyannaDrafter(SampledDrafting):
         )
         self.seqs: dict[int, _SeqState] = {}
         self._target = target
+
+    def _token_info(self, draft: LyannaDraftModel, gated: bool) -> torch.Tensor | None:
+        """The collapsed table (or None), or with ``info_gate`` the gated info's fixed parts,
+        float32 on the draft's device (no table: ``self.info_table`` stays None)."""
+        if not draft.config.use_token_info:
+            return None
+        if not gated:
+            return draft.collapsed_token_info()
+        with torch.no_grad():
+            w1 = draft.w1.float()
+            factors = draft.embedding[draft.hot_ids].to(w1.dtype) @ w1
+            norm = draft.info_norm
+            empty = factors.new_zeros(0, 0, factors.shape[1])
+            self._gated = GatedTokenInfo(factors, draft.w2.detach().float(),
+                                         norm.weight.detach().float(), norm.eps, empty)  # fmt: skip
+            self._gate = draft.info_gate.weight.detach().float().clone()
+        return None
+
+    def _chain_info(self, chains: torch.Tensor) -> GatedTokenInfo | torch.Tensor | None:
+        """The token info of these chains [B, N, n]: the table, or gated by their states."""
+        if self._gated is None:
+            return self.info_table
+        return replace(self._gated, gates=1.0 + chains.float() @ self._gate.T)
 
     @classmethod
     def from_checkpoint(
@@ -159,17 +188,20 @@ class LyannaDrafter(SampledDrafting):
             state.root = step.next_token
             state.resampled, state.resampled_paths = None, frozenset()
             if self.resample.enabled and state.chain_logits is not None:
+                info = self.info_table
+                if self._gated is not None:
+                    info = replace(self._gated, gates=state.chain_gates[None])
                 state.resampled = resample_subtree(
                     state.chain_logits,
                     step.num_accepted,
                     step.next_token,
                     self.resample.min_remaining,
                     self.budget.top_k,
-                    self.info_table,
+                    info,
                     self.hot_ids,
                     self.hot_index,
                 )
-            state.chain_logits = None
+            state.chain_logits = state.chain_gates = None
         return resampled
 
     def release(self, seq_id: int) -> None:
@@ -234,13 +266,16 @@ class LyannaDrafter(SampledDrafting):
             chains = self._chains(states)  # [B, N, n]
         with scope(LM_HEAD_SCOPE):
             logits = self.lm_head(chains)  # [B, N, num_hot]: one GEMM
-        for state, chain_logits in zip(states, logits, strict=True):
-            state.chain_logits = chain_logits
+        info = self._chain_info(chains)
+        for b, state in enumerate(states):
+            state.chain_logits = logits[b]
+            if isinstance(info, GatedTokenInfo):
+                state.chain_gates = info.gates[b]
         fresh = build_subtrees(
             logits,
             [s.root for s in states],
             self.budget.top_k,
-            self.info_table,
+            info,
             self.hot_ids,
             self.hot_index,
             draws,

@@ -1,5 +1,6 @@
 """Token-info tree sampling (Lyanna paper, Algorithm 1) and the re-sampled subtree
-(Algorithm 2), as pure functions of a chain's raw logits and the collapsed token-info table.
+(Algorithm 2), as pure functions of a chain's raw logits and the collapsed token-info table
+(or a state-gated token info, ``GatedTokenInfo``: issue 41's ``info_gate``).
 
 For each chain step i, every frontier node gets ``softmax(l_i + T[node token])`` over the hot
 vocabulary and proposes its top-k tokens as children (joint probability = parent joint x
@@ -23,18 +24,48 @@ frontier is {server, speed}.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
+import torch.nn.functional as F
 
 from lyanna.draft_nodes import DraftNodes
 from lyanna.drafters.placement import to_host
 from lyanna.drafters.sampled import DraftSampling, SampledTrees, draw_children
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class GatedTokenInfo:
+    """State-gated token info (``LyannaDraftConfig.info_gate``) of B chains: the bias of
+    parent ``t`` at chain step ``i`` is ``RMSNorm((A[t] * gates[:, i]) W2)`` with the
+    collapsed factors ``A = W_E[hot] W1`` and ``gates = 1 + G h_i`` of each chain's states
+    (made once per chain, with its one-pass logits). No lookup table: one ``[rank x
+    num_hot]`` product per frontier row, the price of a bias that knows the context."""
+
+    factors: torch.Tensor  # [num_hot, rank] float32
+    w2: torch.Tensor  # [rank, num_hot] float32
+    weight: torch.Tensor  # [num_hot] the info RMSNorm's weight
+    eps: float
+    gates: torch.Tensor  # [B, steps, rank] float32
+
+    def rows(self, hot: torch.Tensor, step: int) -> torch.Tensor:
+        """Bias rows [B, f, num_hot] of the frontier's hot rows ``hot`` [B, f] (>= 0)."""
+        u = (self.factors[hot] * self.gates[:, step, None, :]) @ self.w2
+        return F.rms_norm(u, self.weight.shape, self.weight, self.eps)
+
+    def after(self, start: int) -> GatedTokenInfo:
+        """The same chains from step ``start`` on (a re-sampled subtree's remaining steps)."""
+        return replace(self, gates=self.gates[:, start:])
+
+
+TokenInfo = torch.Tensor | GatedTokenInfo  # a collapsed [num_hot, num_hot] table, or gated
+
+
 def build_subtrees(
     logits: torch.Tensor,  # [B, steps, num_hot] raw chain logits (no token info yet)
     root_tokens: list[int],  # [B]
     top_k: int,
-    info_table: torch.Tensor | None,  # [num_hot, num_hot] collapsed token info, or None
+    info_table: TokenInfo | None,  # [num_hot, num_hot] collapsed token info, gated, or None
     hot_ids: torch.Tensor,  # [num_hot] full-vocabulary id of each hot column
     hot_index: torch.Tensor,  # [vocab] hot row of each token, -1 if not hot
     draws: list[DraftSampling | None] | None = None,  # per tree; None: all top-k
@@ -58,7 +89,7 @@ def build_subtrees(
     sampled = SampledTrees([b for b, draw in enumerate(draws) if draw is not None])
     for step in range(logits.shape[1]):
         rows = logits[:, step, None].expand(-1, frontier.shape[1], -1).float()
-        rows = _with_token_info(rows, frontier_hot, info_table, first=step == 0)
+        rows = _with_token_info(rows, frontier_hot, info_table, step)
         children = draw_children(rows, top_k, draws, log_space=False).to_host()  # [B, f, k]
         sampled.add(children, frontier, frontier_log_joint)
         child_probs, child_cols = children.values, children.columns
@@ -89,7 +120,7 @@ def device_subtrees(
     if top_k == 1:  # a chain (the 4-bit CPU default): ``_greedy_chains``'s few ops per step
         hot, columns, probs = roots_hot[:, None], [], []
         for step in range(steps):
-            rows = _with_token_info(logits[:, step, None].float(), hot, info_table, step == 0)
+            rows = _with_token_info(logits[:, step, None].float(), hot, info_table, step)
             top = rows.softmax(-1).topk(1, dim=-1)  # [B, 1, 1]
             hot = top.indices[:, 0]
             columns.append(hot)
@@ -103,7 +134,7 @@ def device_subtrees(
     num_nodes = 1
     for step in range(steps):
         rows = logits[:, step, None].expand(-1, frontier.shape[1], -1).float()
-        rows = _with_token_info(rows, frontier_hot, info_table, first=step == 0)
+        rows = _with_token_info(rows, frontier_hot, info_table, step)
         top = rows.softmax(-1).topk(top_k, dim=-1)  # [B, f, k]
         child_probs, child_cols = top.values, top.indices
         columns.append(child_cols.flatten(1))
@@ -134,7 +165,7 @@ def _next_frontier(
 def _greedy_chains(
     logits: torch.Tensor,  # [B, steps, num_hot]
     root_tokens: list[int],
-    info_table: torch.Tensor | None,
+    info_table: TokenInfo | None,
     hot_ids: torch.Tensor,
     hot_index: torch.Tensor,
 ) -> list[DraftNodes]:
@@ -148,7 +179,7 @@ def _greedy_chains(
     hot = hot_index[roots][:, None]  # [B, 1] hot row of each chain's newest token, -1 if cold
     columns, probs = [], []
     for step in range(steps):
-        rows = _with_token_info(logits[:, step, None].float(), hot, info_table, step == 0)
+        rows = _with_token_info(logits[:, step, None].float(), hot, info_table, step)
         children = draw_children(rows, 1, [None] * B, log_space=False)  # [B, 1, 1]
         hot = children.columns[:, 0]
         columns.append(hot)
@@ -163,8 +194,8 @@ def _greedy_chains(
 def _with_token_info(
     rows: torch.Tensor,  # [B, f, num_hot] float32 raw logits of each frontier node's children
     hot: torch.Tensor,  # [B, f] hot row of each frontier token, -1 if cold
-    info_table: torch.Tensor | None,
-    first: bool,
+    info_table: TokenInfo | None,
+    step: int,  # the chain step the rows belong to
 ) -> torch.Tensor:
     """The rows plus their parents' token info. Only the first step's parent (the root) can
     be cold, and a cold token has no token-info row; later parents are drafted children,
@@ -172,17 +203,21 @@ def _with_token_info(
     if info_table is None:
         return rows
     hot = hot.to(rows.device)  # a CPU frontier meets a GPU table (CPU: no-op)
-    if first:
-        info = info_table[hot.clamp(min=0)].float()
+    parents = hot.clamp(min=0) if step == 0 else hot
+    if isinstance(info_table, GatedTokenInfo):
+        info = info_table.rows(parents, step)
+    else:
+        info = info_table[parents].float()
+    if step == 0:
         return torch.where((hot >= 0)[..., None], rows + info, rows)
-    return rows + info_table[hot].float()
+    return rows + info
 
 
 def build_subtree(
     logits: torch.Tensor,  # [steps, num_hot] raw chain logits (no token info yet)
     root_token: int,
     top_k: int,
-    info_table: torch.Tensor | None,
+    info_table: TokenInfo | None,
     hot_ids: torch.Tensor,
     hot_index: torch.Tensor,
 ) -> DraftNodes:
@@ -196,7 +231,7 @@ def resample_subtree(
     bonus_token: int,  # the residual/bonus token: root of the new subtree
     min_remaining: int,  # r: build only if at least r chain steps remain
     top_k: int,
-    info_table: torch.Tensor | None,
+    info_table: TokenInfo | None,  # gated: this one chain's (B = 1)
     hot_ids: torch.Tensor,
     hot_index: torch.Tensor,
 ) -> DraftNodes | None:
@@ -206,4 +241,6 @@ def resample_subtree(
     remaining = logits[num_accepted + 1 :]
     if remaining.shape[0] < max(min_remaining, 1):
         return None
+    if isinstance(info_table, GatedTokenInfo):
+        info_table = info_table.after(num_accepted + 1)
     return build_subtree(remaining, bonus_token, top_k, info_table, hot_ids, hot_index)

@@ -14,7 +14,7 @@ from lyanna.decode import generate
 from lyanna.drafters.base import DraftBudget
 from lyanna.drafters.lyanna import LyannaDrafter, ResampleConfig
 from lyanna.drafters.lyanna_model import LyannaDraftConfig, LyannaDraftModel
-from lyanna.drafters.token_info_tree import build_subtree, resample_subtree
+from lyanna.drafters.token_info_tree import GatedTokenInfo, build_subtree, resample_subtree
 from lyanna.engine import EngineConfig, SpecEngine
 from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence
@@ -262,7 +262,7 @@ def test_info_and_chain_knobs_reach_the_model() -> None:
 def test_state_gated_token_info() -> None:
     """``info_gate`` (issue 41): the bias is RMSNorm(((W_E[t] W1) * (1 + G h)) W2), written out
     here by hand; it starts as the paper's table bias (G = 0), then depends on the chain state,
-    so it has no lookup table and the serving drafter refuses it."""
+    so it has no lookup table."""
     target = make_tiny_model(5, vocab_size=VOCAB)
     hot = torch.arange(8)
     n = target.config.hidden_size
@@ -290,5 +290,74 @@ def test_state_gated_token_info() -> None:
         gated.token_info(parents)
     with pytest.raises(ValueError, match="lookup table"):
         gated.collapsed_token_info()
-    with pytest.raises(ValueError, match="lookup table"):
-        LyannaDrafter(target, gated, max_running=1)
+
+
+def gated_draft(target, seed: int) -> LyannaDraftModel:
+    """``tiny_draft`` with the state-gated token info, its gate random too."""
+    torch.manual_seed(seed)
+    config = LyannaDraftConfig(target.config, num_hot=12, info_rank=4, chain_steps=3,
+                               info_gate=True)  # fmt: skip
+    draft = LyannaDraftModel(config, target.embed_tokens.weight, torch.randperm(VOCAB)[:12])
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return draft
+
+
+def test_served_gated_token_info_is_the_trained_one() -> None:
+    """The drafter serves an ``info_gate`` checkpoint with the bias training computes
+    (``token_info(parent, state)`` at each chain step's state), on the host loop."""
+    target = make_tiny_model(5, vocab_size=VOCAB)
+    draft = gated_draft(target, seed=2)
+    torch.manual_seed(4)
+    hidden = torch.randn(6, target.config.hidden_size)
+    gate = draft.info_gate.weight.detach().clone()  # (the drafter packs its linear layers)
+    drafter = LyannaDrafter(target, draft, DraftBudget(depth=3, top_k=2, max_tokens=6))
+    assert drafter.info_table is None and not drafter.device_steps
+    drafter.start(0, [1, 2, 3, 4, 5, 6], hidden, 7)
+    tree = drafter.propose([0])[0]
+    padded = torch.cat([hidden, torch.zeros(1, hidden.shape[1])])[None]  # the anchor j = 5
+    with torch.no_grad():
+        chain = draft.unrolled(padded, torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), 3)
+        states = torch.stack([y[0, 5] for y in chain])  # [3, n]
+        step1 = states[0] @ draft.hot_head.T + draft.token_info(torch.tensor(7), states[0])
+    probs = step1.softmax(-1)
+    children = [i for i, p in enumerate(tree.parent_list) if p == 0]
+    served = {tree.token_list[i]: float(tree.draft_token_probs[i]) for i in children}
+    top = probs.topk(2)
+    expected = {int(draft.hot_ids[c]): float(v) for v, c in zip(*top, strict=True)}
+    assert served.keys() == expected.keys()
+    for token, p in expected.items():
+        assert served[token] == pytest.approx(p, rel=1e-4, abs=1e-5)
+    gates = 1 + states @ gate.T
+    torch.testing.assert_close(drafter.seqs[0].chain_gates, gates, rtol=1e-4, atol=1e-4)
+
+
+def test_gated_resample_reads_the_remaining_steps_gates() -> None:
+    """A re-sampled subtree from a gated chain uses the gates of the steps it re-reads (the
+    rows after the accepted path), not the chain's first ones."""
+    hot_ids, hot_index = hot_maps()
+    torch.manual_seed(0)
+    logits = torch.randn(5, 4)
+    info = GatedTokenInfo(torch.randn(4, 3), torch.randn(3, 4), torch.rand(4) * 4, 1e-6,
+                          torch.randn(1, 5, 3) * 3)  # fmt: skip
+    sub = resample_subtree(logits, 1, 3, 1, 2, info, hot_ids, hot_index)
+    after = dataclasses.replace(info, gates=info.gates[:, 2:])
+    expected = build_subtree(logits[2:], 3, 2, after, hot_ids, hot_index)
+    assert sub.tokens == expected.tokens and sub.probs == expected.probs
+    first = dataclasses.replace(info, gates=info.gates[:, :3])
+    misaligned = build_subtree(logits[2:], 3, 2, first, hot_ids, hot_index)
+    assert misaligned.probs != sub.probs
+
+
+def test_gated_drafter_output_equals_plain_decoding() -> None:
+    target = make_tiny_model(4, vocab_size=VOCAB)
+    drafter = LyannaDrafter(target, gated_draft(target, seed=0),
+                            DraftBudget(depth=3, top_k=3, max_tokens=8),
+                            ResampleConfig(enabled=True, fusion=True), max_running=2,
+                            max_len=128)  # fmt: skip
+    outputs, stats = engine_outputs(target, drafter, PROMPTS)
+    plain = [Sequence(i, p, SamplingParams(max_tokens=20)) for i, p in enumerate(PROMPTS)]
+    generate(target, plain)
+    assert outputs == [s.output_ids for s in plain]
+    assert stats.num_drafted > 0
