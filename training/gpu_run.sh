@@ -22,6 +22,7 @@ MATERIALIZE=${MATERIALIZE:-distill-v1 distill-v2 distill-v3 distill-heldout-v1}
 GEN_RUN=${GEN_RUN:-distill-v4} GEN_START=${GEN_START:-93}
 DATA=${DATA:-distill-v1,distill-v2,distill-v3} VAL=${VAL:-distill-heldout-v1}
 TRAIN_SPECS=${TRAIN_SPECS:-"eagle 6e-4 0.2 e6 eagle 1.5e-3 0.2 e15 lyanna 6e-4 1.0 l6 lyanna 1.5e-3 1.0 l15"}
+LYANNA_FLAGS=${LYANNA_FLAGS:-}  # extra training.train flags of the Lyanna runs, e.g. "--info-gate true"
 BATCH_TOKENS=${BATCH_TOKENS:-16384} EVAL_EVERY=${EVAL_EVERY:-100} INIT=${INIT:-scratch}
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 LOGS=${LOGS:-runs/gpu/logs} EXPORT=${EXPORT:-runs/gpu/export}
@@ -61,8 +62,9 @@ PIDS=""
 set -- $TRAIN_SPECS
 while [ $# -ge 4 ]; do
     FROM=""
+    [ "$1" = lyanna ] && FROM="$LYANNA_FLAGS"
     if [ "$INIT" = committed ]; then
-        FROM="--init-from checkpoints/$([ "$1" = eagle ] && echo eagle2 || echo "$1")-smollm2-135m"
+        FROM="$FROM --init-from checkpoints/$([ "$1" = eagle ] && echo eagle2 || echo "$1")-smollm2-135m"
     fi
     "$PY" -m training.train --model "$1" --data "$DATA" --val-data "$VAL" \
         --run-name "gpu-$4" --device "$DEVICE" --amp bf16 --lr "$2" --ce-weight "$3" \

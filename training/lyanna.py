@@ -99,9 +99,16 @@ class LyannaTrainModel(nn.Module):
         }
 
     def load_export(self, state: dict[str, torch.Tensor]) -> None:
-        """Start from an exported checkpoint (the inverse of ``export``)."""
-        self.draft.load_state_dict({k: v.float() if v.is_floating_point() else v
-                                    for k, v in state.items()})  # fmt: skip
+        """Start from an exported checkpoint (the inverse of ``export``). A checkpoint without
+        the token-info gate loads into a gated model with the gate at zero: the same drafter,
+        so ``--init-from`` a committed checkpoint with ``--info-gate true`` continues it."""
+        missing, unexpected = self.draft.load_state_dict(
+            {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=False
+        )
+        if unexpected or set(missing) - {"info_gate.weight"}:
+            raise RuntimeError(f"checkpoint mismatch: missing {missing}, unexpected {unexpected}")
+        if missing:
+            torch.nn.init.zeros_(self.draft.info_gate.weight)
 
     def config_dict(self) -> dict:
         return self.draft.config.to_dict()

@@ -46,7 +46,7 @@ class LyannaDraftConfig:
     # with G [rank x n] starting at zero (= the paper's bias at the start): the bias can then
     # depend on the context the state carries, not on the parent alone. The state is
     # canonical still (no token enters the chain), but the bias is no longer one table row:
-    # training and ``training.evaluate`` only, the serving drafter refuses it
+    # the serving drafter computes it per frontier row (``token_info_tree.GatedTokenInfo``)
     info_gate: bool = False
 
     def __post_init__(self) -> None:

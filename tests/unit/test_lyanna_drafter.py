@@ -361,3 +361,30 @@ def test_gated_drafter_output_equals_plain_decoding() -> None:
     generate(target, plain)
     assert outputs == [s.output_ids for s in plain]
     assert stats.num_drafted > 0
+
+
+def test_a_gateless_checkpoint_continues_with_the_gate_at_zero() -> None:
+    """``--init-from`` a committed (gate-less) checkpoint with ``--info-gate true``: the gated
+    model loads it with its gate at zero, the same bias; any other mismatch is refused."""
+    from training.config import parse_overrides
+    from training.losses import FrozenTarget
+    from training.lyanna import LyannaTrainModel
+
+    target = make_tiny_model(5, vocab_size=VOCAB)
+    frozen = FrozenTarget.from_embedding(target.embed_tokens.weight, torch.arange(8))
+    base = ["--hot-vocab-size", "8"]
+    plain = LyannaTrainModel.build(frozen, target.config, parse_overrides(base))
+    with torch.no_grad():
+        plain.draft.w2.normal_()
+    gated = LyannaTrainModel.build(frozen, target.config,
+                                   parse_overrides(base + ["--info-gate", "true"]))  # fmt: skip
+    with torch.no_grad():
+        gated.draft.info_gate.weight.normal_()  # whatever it held is replaced by zeros
+    gated.load_export(plain.export())
+    parents, states = torch.tensor([0, 3, 7]), torch.randn(3, target.config.hidden_size)
+    with torch.no_grad():  # (exported in fp16)
+        served, expected = gated.draft.token_info(parents, states), plain.draft.token_info(parents)
+    torch.testing.assert_close(served, expected, rtol=1e-3, atol=1e-3)
+    broken = {k: v for k, v in plain.export().items() if k != "w1"}
+    with pytest.raises(RuntimeError, match="missing"):
+        gated.load_export(broken)
