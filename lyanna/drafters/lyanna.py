@@ -100,24 +100,22 @@ class LyannaDrafter(SampledDrafting):
         self.device_steps = place.generic if device_steps is None else device_steps
         # the hot maps build trees and index their rows: CPU bookkeeping on every device
         self.hot_ids, self.hot_index = draft.hot_ids.cpu(), draft.hot_index.cpu()
-        gated = draft.info_gate is not None and draft.config.use_token_info
-        if gated:  # no table for the captured device step to read: the host loop builds trees
-            self.device_steps = False
-        self._gated: GatedTokenInfo | None = None
-        self._gate: torch.Tensor | None = None  # [rank, n] G of ``1 + G h``
         if place.generic:  # plain modules on the target's device (the table from fp32 weights)
             place.move(draft)
-            info = self._token_info(draft, gated)
+            info, gated = _token_info(draft)
             place.move(draft, draft.fc, draft.layer, draft.out_norm)
             self.lm_head = hot_lm_head(draft.embedding, self.hot_ids, place.dtype, generic=True)
         else:  # the CPU fast paths
             dtype = draft_weight_dtype(target) if weight_dtype == "auto" else weight_dtype
-            info = self._token_info(draft, gated)  # from the fp32 weights, before packing
+            info, gated = _token_info(draft)  # from the fp32 weights, before packing
             prepare_draft_layers(draft, dtype, q4_layers=runs_q4(target))  # once, in place
             shared = draft.embedding.data_ptr() == target.embed_tokens.weight.data_ptr()
             blocks = embedding_blocks(target) if shared else None  # the target's own rows
             self.lm_head = hot_lm_head(draft.embedding, draft.hot_ids, dtype, blocks)
         self.info_table = info  # [num_hot, num_hot] on the draft's device, or None
+        self._gated = gated  # an info_gate drafter's token info instead (its gates per chain)
+        if gated is not None:  # no table for the captured device step: the host loop drafts
+            self.device_steps = False
         self.budget = budget or DraftBudget()
         self._init_sampling(sample_drafts)  # and the gain calibrations
         self.resample = resample or ResampleConfig()
@@ -133,28 +131,9 @@ class LyannaDrafter(SampledDrafting):
         self.seqs: dict[int, _SeqState] = {}
         self._target = target
 
-    def _token_info(self, draft: LyannaDraftModel, gated: bool) -> torch.Tensor | None:
-        """The collapsed table (or None), or with ``info_gate`` the gated info's fixed parts,
-        float32 on the draft's device (no table: ``self.info_table`` stays None)."""
-        if not draft.config.use_token_info:
-            return None
-        if not gated:
-            return draft.collapsed_token_info()
-        with torch.no_grad():
-            w1 = draft.w1.float()
-            factors = draft.embedding[draft.hot_ids].to(w1.dtype) @ w1
-            norm = draft.info_norm
-            empty = factors.new_zeros(0, 0, factors.shape[1])
-            self._gated = GatedTokenInfo(factors, draft.w2.detach().float(),
-                                         norm.weight.detach().float(), norm.eps, empty)  # fmt: skip
-            self._gate = draft.info_gate.weight.detach().float().clone()
-        return None
-
     def _chain_info(self, chains: torch.Tensor) -> GatedTokenInfo | torch.Tensor | None:
         """The token info of these chains [B, N, n]: the table, or gated by their states."""
-        if self._gated is None:
-            return self.info_table
-        return replace(self._gated, gates=1.0 + chains.float() @ self._gate.T)
+        return self.info_table if self._gated is None else self._gated.for_chains(chains)
 
     @classmethod
     def from_checkpoint(
@@ -383,6 +362,22 @@ class LyannaDrafter(SampledDrafting):
             DraftNodes(*node).prune(self.budget.max_tokens)  # the cap
             for node in zip(tokens, parents, probs, strict=True)
         ]
+
+
+def _token_info(draft: LyannaDraftModel) -> tuple[torch.Tensor | None, GatedTokenInfo | None]:
+    """(the collapsed table, None), or with ``info_gate`` (None, the gated info's fixed parts,
+    float32 on the draft's device); (None, None) without token info."""
+    if not draft.config.use_token_info:
+        return None, None
+    if draft.info_gate is None:
+        return draft.collapsed_token_info(), None
+    with torch.no_grad():
+        w1 = draft.w1.float()
+        factors = draft.embedding[draft.hot_ids].to(w1.dtype) @ w1
+        norm = draft.info_norm
+        gated = GatedTokenInfo(factors, draft.w2.float(), norm.weight.float(), norm.eps,
+                               draft.info_gate.weight.float().clone())  # fmt: skip
+    return None, gated
 
 
 def _token_paths(nodes: DraftNodes) -> frozenset[tuple[int, ...]]:

@@ -46,7 +46,12 @@ class GatedTokenInfo:
     w2: torch.Tensor  # [rank, num_hot] float32
     weight: torch.Tensor  # [num_hot] the info RMSNorm's weight
     eps: float
-    gates: torch.Tensor  # [B, steps, rank] float32
+    gate: torch.Tensor  # [rank, n] float32: G
+    gates: torch.Tensor | None = None  # [B, steps, rank] float32 of the chains (``for_chains``)
+
+    def for_chains(self, chains: torch.Tensor) -> GatedTokenInfo:
+        """The token info of the chains ``chains`` [B, steps, n]."""
+        return replace(self, gates=1.0 + chains.float() @ self.gate.T)
 
     def rows(self, hot: torch.Tensor, step: int) -> torch.Tensor:
         """Bias rows [B, f, num_hot] of the frontier's hot rows ``hot`` [B, f] (>= 0)."""

@@ -340,7 +340,7 @@ def test_gated_resample_reads_the_remaining_steps_gates() -> None:
     torch.manual_seed(0)
     logits = torch.randn(5, 4)
     info = GatedTokenInfo(torch.randn(4, 3), torch.randn(3, 4), torch.rand(4) * 4, 1e-6,
-                          torch.randn(1, 5, 3) * 3)  # fmt: skip
+                          torch.randn(3, 2), torch.randn(1, 5, 3) * 3)  # fmt: skip
     sub = resample_subtree(logits, 1, 3, 1, 2, info, hot_ids, hot_index)
     after = dataclasses.replace(info, gates=info.gates[:, 2:])
     expected = build_subtree(logits[2:], 3, 2, after, hot_ids, hot_index)
