@@ -60,6 +60,7 @@ class TrainConfig:
     info_rank: int = 256
     info_scale_init: float = 0.1
     info_gate: bool = False  # the bias gated by the chain state (LyannaDraftConfig.info_gate)
+    info_space: str = "logits"  # logits | state: where the token info joins (LyannaDraftConfig)
     regression_loss: str = ""
     feature_noise: float = 0.0
     # bookkeeping
@@ -96,6 +97,8 @@ class TrainConfig:
             raise ValueError("fc_init must be identity, balanced or random")
         if self.info_rank < 1 or self.info_scale_init <= 0:
             raise ValueError("need info_rank >= 1 and info_scale_init > 0")
+        if self.info_space not in ("logits", "state"):
+            raise ValueError("info_space must be logits or state")
         if self.state_ce_weight < 0:
             raise ValueError("state_ce_weight must be >= 0")
         if self.feature_noise < 0:

@@ -43,13 +43,15 @@ class LyannaTrainModel(nn.Module):
             info_rank=config.info_rank,
             feed_residual=config.feed_residual,
             info_gate=config.info_gate,
+            info_space=config.info_space,
         )
         model = cls(LyannaDraftModel(draft_config, target.embedding, target.hot_vocab), config)
         state = default_target_state(target_config) if config.init_from_target else None
         if state is not None:
             model.init_from_target(state)
-        with torch.no_grad():
-            model.draft.info_norm.weight.fill_(config.info_scale_init)
+        if model.draft.info_norm is not None:
+            with torch.no_grad():
+                model.draft.info_norm.weight.fill_(config.info_scale_init)
         fc = model.draft.fc
         if config.fc_init == "random":
             fc.reset_parameters()
@@ -121,9 +123,8 @@ def token_info_factors(
     takes it: the same numbers as ``model.token_info(parents, states)`` without its
     ``[R, num_hot]`` rows."""
     a = model.info_factors(parents, states)  # [R, rank]
-    keep = (model.hot_index[parents] >= 0) & model.config.use_token_info
     norm = model.info_norm
-    return TokenInfo(a, model.w2, norm.weight, keep, norm.eps)
+    return TokenInfo(a, model.w2, norm.weight, model.info_keep(parents), norm.eps)
 
 
 def draft_loss(
@@ -152,7 +153,10 @@ def draft_loss(
 
     Ablations: ``regression="smooth_l1"`` (EAGLE's) in place of the MSE; ``feature_noise``
     adds Gaussian noise of that std to the target states the chain reads (not its targets);
-    ``state_ce`` weighs a second cross-entropy of the state alone (no token-info bias)."""
+    ``state_ce`` weighs a second cross-entropy of the state alone (no token-info bias).
+
+    With ``info_space="state"`` the token info is a correction of the state, so the MSE and
+    the cross-entropy both read ``h + D(parent, h)`` (the chain still feeds ``h`` on)."""
     steps = steps or model.config.chain_steps
     T = hidden.shape[1]
     weight = loss_mask.float()
@@ -169,26 +173,31 @@ def draft_loss(
         pred = y[:, :valid]  # [B, valid, n]: predicts hidden[j + i]
         target_h = hidden[:, i : i + valid]
         w = weight[:, i + 1 : i + 1 + valid]  # weight of the token being predicted
+        step_parents = tokens[:, i : i + valid]
+        if drafted_parents and all_parents is not None:
+            step_parents = all_parents[:, :valid]
+        state_info = model.info_up is not None
+        if drafted_parents:  # the next step's parents: this step's first choice everywhere
+            all_parents = first_choices(model, pred.detach(), step_parents)
+        alone = pred
+        if state_info:  # the corrected state, what the LM head reads
+            pred = pred + model.info_delta(step_parents, pred)
         if regression == "smooth_l1":
             err = F.smooth_l1_loss(pred, target_h, reduction="none").mean(-1)
         else:
             err = (pred - target_h).pow(2).mean(-1)
         mse = (err * w).sum() / w.sum().clamp_min(1.0)
         answer = w >= 1.0
-        step_parents = tokens[:, i : i + valid]
-        if drafted_parents and all_parents is not None:
-            step_parents = all_parents[:, :valid]
-        if drafted_parents:  # the next step's parents: this step's first choice everywhere
-            all_parents = first_choices(model, pred.detach(), step_parents)
         parents = step_parents[answer]
         rows, targets = pred[answer], target_h[answer]
-        out = fused_hot_ce(rows, head, targets, torch.ones_like(parents, dtype=torch.float32),
-                           token_info_factors(model, parents, rows))  # fmt: skip
+        ones = torch.ones_like(parents, dtype=torch.float32)
+        info = None if state_info else token_info_factors(model, parents, rows)
+        out = fused_hot_ce(rows, head, targets, ones, info)
         ce = out.loss / max(1, rows.shape[0])
         total = total + alpha * mse + beta * ce
         if state_ce:
-            alone = fused_hot_ce(rows, head, targets, torch.ones_like(parents, dtype=torch.float32))
-            total = total + state_ce * alone.loss / max(1, rows.shape[0])
+            plain = fused_hot_ce(alone[answer], head, targets, ones)
+            total = total + state_ce * plain.loss / max(1, rows.shape[0])
         with torch.no_grad():
             best = out.target_argmax[:, None]
             metrics[f"mse{i}"] = float(mse.detach())

@@ -375,7 +375,8 @@ def _token_info(draft: LyannaDraftModel) -> tuple[torch.Tensor | None, GatedToke
         w1 = draft.w1.float()
         factors = draft.embedding[draft.hot_ids].to(w1.dtype) @ w1
         norm = draft.info_norm
-        gated = GatedTokenInfo(factors, draft.w2.float(), norm.weight.float(), norm.eps,
+        weight, eps = (None, 0.0) if norm is None else (norm.weight.float(), norm.eps)
+        gated = GatedTokenInfo(factors, draft.info_out().float(), weight, eps,
                                draft.info_gate.weight.float().clone())  # fmt: skip
     return None, gated
 

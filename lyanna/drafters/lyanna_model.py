@@ -48,10 +48,18 @@ class LyannaDraftConfig:
     # canonical still (no token enters the chain), but the bias is no longer one table row:
     # the serving drafter computes it per frontier row (``token_info_tree.GatedTokenInfo``)
     info_gate: bool = False
+    # issue 41: where the parent's token info joins. "logits": the paper's bias
+    # RMSNorm(a W2) on the logits. "state": a correction D = a U [rank x n] added to the chain
+    # state before the LM head (the chain itself still reads the uncorrected state, so it
+    # stays canonical); on the logits that is the bias D W_head, one-pass logits intact, and
+    # training regresses h + D on the target's state: a dense signal for the token info
+    info_space: str = "logits"
 
     def __post_init__(self) -> None:
         if not 0 < self.num_hot <= self.target.vocab_size:
             raise ValueError("num_hot must be in (0, vocab_size]")
+        if self.info_space not in ("logits", "state"):
+            raise ValueError("info_space must be 'logits' or 'state'")
         if self.chain_steps < 1 or self.info_rank < 1:
             raise ValueError("chain_steps and info_rank must be >= 1")
 
@@ -66,8 +74,9 @@ class LyannaDraftConfig:
 
 
 class LyannaDraftModel(nn.Module):
-    """Trainable parts: ``fc``, ``layer``, ``out_norm``, ``w1``, ``w2``, ``info_norm`` (and
-    ``info_gate`` with ``config.info_gate``).
+    """Trainable parts: ``fc``, ``layer``, ``out_norm``, ``w1``, then ``w2`` and ``info_norm``
+    (``info_space="logits"``) or ``info_up`` (``"state"``), and ``info_gate`` with
+    ``config.info_gate``.
     The target's embedding (= tied LM head) is shared and frozen, never saved."""
 
     def __init__(self, config: LyannaDraftConfig, embedding: torch.Tensor, hot_ids: torch.Tensor):
@@ -83,8 +92,12 @@ class LyannaDraftModel(nn.Module):
         self.layer = Block(t)
         self.out_norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
         self.w1 = nn.Parameter(torch.randn(t.hidden_size, config.info_rank) / t.hidden_size**0.5)
-        self.w2 = nn.Parameter(torch.zeros(config.info_rank, config.num_hot))
-        self.info_norm = RMSNorm(config.num_hot, t.rms_norm_eps)
+        self.w2 = self.info_norm = self.info_up = None
+        if config.info_space == "state":
+            self.info_up = nn.Parameter(torch.zeros(config.info_rank, t.hidden_size))
+        else:
+            self.w2 = nn.Parameter(torch.zeros(config.info_rank, config.num_hot))
+            self.info_norm = RMSNorm(config.num_hot, t.rms_norm_eps)
         self.info_gate = None
         if config.info_gate:
             self.info_gate = nn.Linear(t.hidden_size, config.info_rank, bias=False)
@@ -95,7 +108,8 @@ class LyannaDraftModel(nn.Module):
         with torch.no_grad():  # start as "h0 + E(t1)"
             eye = torch.eye(t.hidden_size)
             self.fc.weight.copy_(torch.cat([eye, eye], dim=1))
-            self.info_norm.weight.fill_(0.1)
+            if self.info_norm is not None:
+                self.info_norm.weight.fill_(0.1)
 
     @property
     def hot_head(self) -> torch.Tensor:  # [num_hot, n] rows of the tied LM head
@@ -122,14 +136,35 @@ class LyannaDraftModel(nn.Module):
             a = a * (1.0 + self.info_gate(states.to(a.dtype)))
         return a
 
+    def info_keep(self, parent_tokens: torch.Tensor) -> torch.Tensor:
+        """Which parents have token info: hot tokens, when token info is on ([...] bool)."""
+        return (self.hot_index[parent_tokens] >= 0) & self.config.use_token_info
+
+    def info_delta(
+        self, parent_tokens: torch.Tensor, states: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``info_space="state"``: the correction ``D = a U`` the parent adds to the chain
+        state before the LM head, [...] -> [..., n] (zero where ``info_keep`` is False)."""
+        if self.info_up is None:
+            raise ValueError("only an info_space='state' drafter corrects its states")
+        delta = self.info_factors(parent_tokens, states) @ self.info_up
+        return delta * self.info_keep(parent_tokens).unsqueeze(-1).to(delta.dtype)
+
+    def info_out(self) -> torch.Tensor:
+        """[rank, num_hot]: what the gated factors multiply into logits (``W2``, or with
+        ``info_space="state"`` ``U W_head``, unnormalised)."""
+        return self.w2 if self.info_up is None else self.info_up @ self.hot_head.T
+
     def token_info(
         self, parent_tokens: torch.Tensor, states: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """RMSNorm(W_E[t] W1 W2) per parent token: [...] -> [..., num_hot]; zero for tokens
-        outside the hot set or when token info is disabled (``states``: see ``info_factors``)."""
+        """The logit bias per parent token, [...] -> [..., num_hot]: RMSNorm(W_E[t] W1 W2),
+        or with ``info_space="state"`` ``D W_head``; zero for tokens outside the hot set or
+        when token info is disabled (``states``: see ``info_factors``)."""
+        if self.info_up is not None:
+            return self.info_delta(parent_tokens, states) @ self.hot_head.T
         rows = self.info_norm(self.info_factors(parent_tokens, states) @ self.w2)
-        keep = (self.hot_index[parent_tokens] >= 0) & self.config.use_token_info
-        return rows * keep.unsqueeze(-1).to(rows.dtype)
+        return rows * self.info_keep(parent_tokens).unsqueeze(-1).to(rows.dtype)
 
     @torch.no_grad()
     def collapsed_token_info(self, dtype: torch.dtype = torch.float16) -> torch.Tensor:

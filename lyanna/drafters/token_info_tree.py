@@ -37,14 +37,15 @@ from lyanna.drafters.sampled import DraftSampling, SampledTrees, draw_children
 @dataclass(frozen=True, slots=True, eq=False)
 class GatedTokenInfo:
     """State-gated token info (``LyannaDraftConfig.info_gate``) of B chains: the bias of
-    parent ``t`` at chain step ``i`` is ``RMSNorm((A[t] * gates[:, i]) W2)`` with the
+    parent ``t`` at chain step ``i`` is ``RMSNorm((A[t] * gates[:, i]) W2)`` (or, for a state
+    correction, ``(A[t] * gates[:, i]) U W_head`` without RMSNorm) with the
     collapsed factors ``A = W_E[hot] W1`` and ``gates = 1 + G h_i`` of each chain's states
     (made once per chain, with its one-pass logits). No lookup table: one ``[rank x
     num_hot]`` product per frontier row, the price of a bias that knows the context."""
 
     factors: torch.Tensor  # [num_hot, rank] float32
-    w2: torch.Tensor  # [rank, num_hot] float32
-    weight: torch.Tensor  # [num_hot] the info RMSNorm's weight
+    w2: torch.Tensor  # [rank, num_hot] float32 (``info_space="state"``: U W_head)
+    weight: torch.Tensor | None  # [num_hot] the info RMSNorm's weight (None: no RMSNorm)
     eps: float
     gate: torch.Tensor  # [rank, n] float32: G
     gates: torch.Tensor | None = None  # [B, steps, rank] float32 of the chains (``for_chains``)
@@ -56,6 +57,8 @@ class GatedTokenInfo:
     def rows(self, hot: torch.Tensor, step: int) -> torch.Tensor:
         """Bias rows [B, f, num_hot] of the frontier's hot rows ``hot`` [B, f] (>= 0)."""
         u = (self.factors[hot] * self.gates[:, step, None, :]) @ self.w2
+        if self.weight is None:  # a state correction's bias D W_head
+            return u
         return F.rms_norm(u, self.weight.shape, self.weight, self.eps)
 
     def after(self, start: int) -> GatedTokenInfo:

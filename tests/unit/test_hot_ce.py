@@ -77,11 +77,17 @@ def test_without_a_gradient_nothing_is_kept_and_backward_refuses() -> None:
     torch.testing.assert_close(out.loss, ref)
 
 
-@pytest.mark.parametrize("info_gate", [False, True], ids=["table-bias", "state-gated-bias"])
-def test_lyanna_draft_loss_matches_the_unchunked_formula(info_gate: bool) -> None:
+@pytest.mark.parametrize(
+    ("info_gate", "info_space"),
+    [(False, "logits"), (True, "logits"), (True, "state")],
+    ids=["table-bias", "state-gated-bias", "gated-state-correction"],
+)
+def test_lyanna_draft_loss_matches_the_unchunked_formula(info_gate: bool, info_space: str) -> None:
     """``training.lyanna.draft_loss`` (fused) against the loss written out with the model's own
     ``token_info`` rows and a plain softmax cross-entropy: same value, same gradients (with
-    ``info_gate``, the gate's gradient too: it reaches the fused product through ``a``)."""
+    ``info_gate``, the gate's gradient too: it reaches the fused product through ``a``). With
+    ``info_space="state"`` the correction ``D = ((W_E[t] W1) * (1 + G h)) U`` is written out
+    here by hand and both the MSE and the cross-entropy read ``h + D``."""
     from lyanna.drafters.lyanna_model import LyannaDraftConfig, LyannaDraftModel
     from training.lyanna import draft_loss
 
@@ -89,10 +95,12 @@ def test_lyanna_draft_loss_matches_the_unchunked_formula(info_gate: bool) -> Non
     torch.manual_seed(0)
     hot = torch.randperm(40)[:24]
     draft = LyannaDraftModel(LyannaDraftConfig(target.config, num_hot=24, info_rank=8,
-                                               chain_steps=3, info_gate=info_gate),
+                                               chain_steps=3, info_gate=info_gate,
+                                               info_space=info_space),
                              target.embed_tokens.weight, hot)  # fmt: skip
+    state = info_space == "state"
     with torch.no_grad():
-        draft.w2.normal_()
+        (draft.info_up if state else draft.w2).normal_()
         if info_gate:
             draft.info_gate.weight.normal_(std=0.3)
     hidden = torch.randn(2, 11, target.config.hidden_size)
@@ -110,10 +118,18 @@ def test_lyanna_draft_loss_matches_the_unchunked_formula(info_gate: bool) -> Non
         valid = 11 - 1 - i
         pred, target_h = y[:, :valid], hidden[:, i : i + valid]
         w = weight[:, i + 1 : i + 1 + valid]
+        if state:
+            step_parents = tokens[:, i : i + valid]
+            a = target.embed_tokens.weight[step_parents] @ draft.w1
+            a = a * (1 + pred @ draft.info_gate.weight.T)
+            hot_parent = torch.isin(step_parents, hot).unsqueeze(-1)
+            pred = pred + torch.where(hot_parent, a @ draft.info_up, 0.0)
         mse = ((pred - target_h).pow(2).mean(-1) * w).sum() / w.sum().clamp_min(1.0)
         answer = w >= 1.0
         parents = tokens[:, i : i + valid][answer]
-        logits = pred[answer] @ head.T + draft.token_info(parents, pred[answer])
+        logits = pred[answer] @ head.T
+        if not state:
+            logits = logits + draft.token_info(parents, pred[answer])
         p = (target_h[answer] @ head.T).softmax(-1)
         ce = -(p * logits.log_softmax(-1)).sum(-1).mean()
         total = total + 0.5 * mse + 0.7 * ce

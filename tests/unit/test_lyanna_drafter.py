@@ -292,11 +292,13 @@ def test_state_gated_token_info() -> None:
         gated.collapsed_token_info()
 
 
-def gated_draft(target, seed: int) -> LyannaDraftModel:
-    """``tiny_draft`` with the state-gated token info, its gate random too."""
+def gated_draft(target, seed: int, info_space: str = "logits",
+                info_gate: bool = True) -> LyannaDraftModel:  # fmt: skip
+    """``tiny_draft`` with the state-gated token info, its gate random too (``info_space``:
+    the bias on the logits, or the correction of the state)."""
     torch.manual_seed(seed)
     config = LyannaDraftConfig(target.config, num_hot=12, info_rank=4, chain_steps=3,
-                               info_gate=True)  # fmt: skip
+                               info_gate=info_gate, info_space=info_space)  # fmt: skip
     draft = LyannaDraftModel(config, target.embed_tokens.weight, torch.randperm(VOCAB)[:12])
     with torch.no_grad():
         for p in draft.parameters():
@@ -304,11 +306,13 @@ def gated_draft(target, seed: int) -> LyannaDraftModel:
     return draft
 
 
-def test_served_gated_token_info_is_the_trained_one() -> None:
+@pytest.mark.parametrize("info_space", ["logits", "state"])
+def test_served_gated_token_info_is_the_trained_one(info_space: str) -> None:
     """The drafter serves an ``info_gate`` checkpoint with the bias training computes
-    (``token_info(parent, state)`` at each chain step's state), on the host loop."""
+    (``token_info(parent, state)`` at each chain step's state), on the host loop; for a state
+    correction that is ``(h + D) W_head``, checked here against the corrected state."""
     target = make_tiny_model(5, vocab_size=VOCAB)
-    draft = gated_draft(target, seed=2)
+    draft = gated_draft(target, seed=2, info_space=info_space)
     torch.manual_seed(4)
     hidden = torch.randn(6, target.config.hidden_size)
     gate = draft.info_gate.weight.detach().clone()  # (the drafter packs its linear layers)
@@ -321,6 +325,9 @@ def test_served_gated_token_info_is_the_trained_one() -> None:
         chain = draft.unrolled(padded, torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), 3)
         states = torch.stack([y[0, 5] for y in chain])  # [3, n]
         step1 = states[0] @ draft.hot_head.T + draft.token_info(torch.tensor(7), states[0])
+        if info_space == "state":
+            corrected = states[0] + draft.info_delta(torch.tensor(7), states[0])
+            torch.testing.assert_close(step1, corrected @ draft.hot_head.T)
     probs = step1.softmax(-1)
     children = [i for i, p in enumerate(tree.parent_list) if p == 0]
     served = {tree.token_list[i]: float(tree.draft_token_probs[i]) for i in children}
@@ -350,9 +357,12 @@ def test_gated_resample_reads_the_remaining_steps_gates() -> None:
     assert misaligned.probs != sub.probs
 
 
-def test_gated_drafter_output_equals_plain_decoding() -> None:
+@pytest.mark.parametrize(("info_space", "info_gate"), [("logits", True), ("state", True),
+                                                       ("state", False)])  # fmt: skip
+def test_gated_drafter_output_equals_plain_decoding(info_space: str, info_gate: bool) -> None:
     target = make_tiny_model(4, vocab_size=VOCAB)
-    drafter = LyannaDrafter(target, gated_draft(target, seed=0),
+    draft = gated_draft(target, seed=0, info_space=info_space, info_gate=info_gate)
+    drafter = LyannaDrafter(target, draft,
                             DraftBudget(depth=3, top_k=3, max_tokens=8),
                             ResampleConfig(enabled=True, fusion=True), max_running=2,
                             max_len=128)  # fmt: skip
@@ -388,3 +398,40 @@ def test_a_gateless_checkpoint_continues_with_the_gate_at_zero() -> None:
     broken = {k: v for k, v in plain.export().items() if k != "w1"}
     with pytest.raises(RuntimeError, match="missing"):
         gated.load_export(broken)
+
+
+def test_state_correction_token_info() -> None:
+    """``info_space="state"`` (issue 41): the parent's info is a correction
+    ``D = ((W_E[t] W1) * (1 + G h)) U`` of the state the LM head reads, so its logit bias is
+    ``D W_head`` (written out here by hand). Without the gate it collapses to a table like the
+    paper's bias; non-hot parents add nothing."""
+    target = make_tiny_model(5, vocab_size=VOCAB)
+    n = target.config.hidden_size
+    torch.manual_seed(0)
+    hot = torch.randperm(VOCAB)[:8]
+    emb = target.embed_tokens.weight
+    for info_gate in (False, True):
+        config = LyannaDraftConfig(target.config, num_hot=8, info_rank=4, chain_steps=3,
+                                   info_gate=info_gate, info_space="state")  # fmt: skip
+        draft = LyannaDraftModel(config, emb, hot)
+        assert draft.w2 is None and draft.info_norm is None
+        with torch.no_grad():
+            draft.info_up.normal_()
+            if info_gate:
+                draft.info_gate.weight.normal_()
+            parents, states = hot[[1, 5, 7]], torch.randn(3, n)
+            a = emb[parents] @ draft.w1
+            if info_gate:
+                a = a * (1 + states @ draft.info_gate.weight.T)
+            by_hand = a @ draft.info_up @ emb[hot].T
+            torch.testing.assert_close(draft.token_info(parents, states), by_hand)
+            cold = torch.tensor([int(t) for t in range(VOCAB) if t not in hot.tolist()][:2])
+            assert draft.token_info(cold, states[:2]).abs().max() == 0
+            if not info_gate:
+                table = draft.collapsed_token_info(torch.float32)
+                torch.testing.assert_close(table, emb[hot] @ draft.w1 @ draft.info_up @ emb[hot].T)
+    logits_space = LyannaDraftModel(dataclasses.replace(config, info_space="logits"), emb, hot)
+    with pytest.raises(ValueError, match="corrects its states"):
+        logits_space.info_delta(parents, states)
+    with pytest.raises(ValueError, match="info_space"):
+        dataclasses.replace(config, info_space="hidden")
