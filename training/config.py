@@ -29,6 +29,9 @@ class TrainConfig:
     grad_clip: float = 0.5
     # loss
     unroll_steps: int = 3  # training-time test: steps fed the drafter's own predictions
+    # issue 41: per-step loss multipliers of the unrolled steps, comma-separated (e.g.
+    # "0.5,1,1.5"), scaled to mean 1; "" weighs every step alike (both drafters follow it)
+    step_weights: str = ""
     regression_weight: float = 1.0  # smooth-L1 on the next hidden state
     ce_weight: float = 0.2  # cross-entropy against the target's (hot-vocab) distribution
     prompt_weight: float = 0.25  # loss weight of prompt positions (answer positions: 1)
@@ -81,6 +84,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.unroll_steps < 1:
             raise ValueError("unroll_steps must be >= 1")
+        self.step_weight_list()  # validates
         if self.max_steps < 1 or self.batch_tokens < self.max_seq_len:
             raise ValueError("need max_steps >= 1 and batch_tokens >= max_seq_len")
         if not 0.0 <= self.min_lr_ratio <= 1.0 or self.lr <= 0.0:
@@ -117,6 +121,15 @@ class TrainConfig:
     @property
     def work_dir(self) -> Path:
         return cache_root() / "train" / self.run_name
+
+    def step_weight_list(self) -> list[float]:
+        """The loss multiplier of each unrolled step (mean 1; all 1.0 by default)."""
+        if not self.step_weights:
+            return [1.0] * self.unroll_steps
+        weights = [float(w) for w in self.step_weights.split(",")]
+        if len(weights) != self.unroll_steps or min(weights) < 0 or sum(weights) <= 0:
+            raise ValueError("step_weights needs unroll_steps non-negative numbers, not all 0")
+        return [w * len(weights) / sum(weights) for w in weights]
 
     def lr_at(self, step: int, clock: float = 0.0) -> float:
         """Linear warmup, then linear decay to ``lr * min_lr_ratio`` at ``max_steps``, or

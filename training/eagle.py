@@ -96,6 +96,7 @@ class EagleTrainModel(nn.Module):
         total = torch.zeros(())
         metrics: dict[str, float] = {}
         predictions = self.unroll(batch.tokens, batch.hidden, config.unroll_steps)
+        step_weights = config.step_weight_list()
         for step, predicted in enumerate(predictions, start=1):
             valid = (positions >= step - 1)[None, :].expand(B, T)
             step_loss, step_metrics = composite_loss(
@@ -107,7 +108,7 @@ class EagleTrainModel(nn.Module):
                 f"step{step}_",
                 None if self.training else self.target,  # full-vocabulary top-1: evaluation
             )
-            total = total + step_loss
+            total = total + step_weights[step - 1] * step_loss
             metrics.update(step_metrics)
         loss = total / config.unroll_steps
         metrics["loss"] = float(loss.detach())

@@ -92,6 +92,7 @@ class LyannaTrainModel(nn.Module):
             regression=self.train_config.regression_loss or "mse",
             feature_noise=self.train_config.feature_noise if self.training else 0.0,
             state_ce=self.train_config.state_ce_weight,
+            step_weights=self.train_config.step_weight_list(),
         )
 
     def export(self) -> dict[str, torch.Tensor]:
@@ -139,6 +140,7 @@ def draft_loss(
     regression: str = "mse",
     feature_noise: float = 0.0,
     state_ce: float = 0.0,
+    step_weights: list[float] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """alpha * MSE(h, H) + beta * CE(softmax(l'), softmax(L)) averaged over the chain steps.
 
@@ -153,7 +155,8 @@ def draft_loss(
 
     Ablations: ``regression="smooth_l1"`` (EAGLE's) in place of the MSE; ``feature_noise``
     adds Gaussian noise of that std to the target states the chain reads (not its targets);
-    ``state_ce`` weighs a second cross-entropy of the state alone (no token-info bias).
+    ``state_ce`` weighs a second cross-entropy of the state alone (no token-info bias);
+    ``step_weights`` multiplies each unrolled step's loss (default: all 1).
 
     With ``info_space="state"`` the token info is a correction of the state, so the MSE and
     the cross-entropy both read ``h + D(parent, h)`` (the chain still feeds ``h`` on)."""
@@ -194,10 +197,11 @@ def draft_loss(
         info = None if state_info else token_info_factors(model, parents, rows)
         out = fused_hot_ce(rows, head, targets, ones, info)
         ce = out.loss / max(1, rows.shape[0])
-        total = total + alpha * mse + beta * ce
+        step_loss = alpha * mse + beta * ce
         if state_ce:
             plain = fused_hot_ce(alone[answer], head, targets, ones)
-            total = total + state_ce * plain.loss / max(1, rows.shape[0])
+            step_loss = step_loss + state_ce * plain.loss / max(1, rows.shape[0])
+        total = total + (step_weights[i - 1] if step_weights else 1.0) * step_loss
         with torch.no_grad():
             best = out.target_argmax[:, None]
             metrics[f"mse{i}"] = float(mse.detach())

@@ -78,16 +78,19 @@ def test_without_a_gradient_nothing_is_kept_and_backward_refuses() -> None:
 
 
 @pytest.mark.parametrize(
-    ("info_gate", "info_space"),
-    [(False, "logits"), (True, "logits"), (True, "state")],
-    ids=["table-bias", "state-gated-bias", "gated-state-correction"],
+    ("info_gate", "info_space", "step_weights"),
+    [(False, "logits", None), (True, "logits", [0.5, 1.0, 1.5]), (True, "state", None)],
+    ids=["table-bias", "state-gated-bias-step-weights", "gated-state-correction"],
 )
-def test_lyanna_draft_loss_matches_the_unchunked_formula(info_gate: bool, info_space: str) -> None:
+def test_lyanna_draft_loss_matches_the_unchunked_formula(
+    info_gate: bool, info_space: str, step_weights: list[float] | None
+) -> None:
     """``training.lyanna.draft_loss`` (fused) against the loss written out with the model's own
     ``token_info`` rows and a plain softmax cross-entropy: same value, same gradients (with
     ``info_gate``, the gate's gradient too: it reaches the fused product through ``a``). With
     ``info_space="state"`` the correction ``D = ((W_E[t] W1) * (1 + G h)) U`` is written out
-    here by hand and both the MSE and the cross-entropy read ``h + D``."""
+    here by hand and both the MSE and the cross-entropy read ``h + D``. ``step_weights``
+    multiply each step's loss."""
     from lyanna.drafters.lyanna_model import LyannaDraftConfig, LyannaDraftModel
     from training.lyanna import draft_loss
 
@@ -106,7 +109,8 @@ def test_lyanna_draft_loss_matches_the_unchunked_formula(info_gate: bool, info_s
     hidden = torch.randn(2, 11, target.config.hidden_size)
     tokens = torch.randint(0, 40, (2, 11))
     mask = torch.rand(2, 11) > 0.3
-    loss, metrics = draft_loss(draft, hidden, tokens, mask, alpha=0.5, beta=0.7, steps=3)
+    loss, metrics = draft_loss(draft, hidden, tokens, mask, alpha=0.5, beta=0.7, steps=3,
+                               step_weights=step_weights)  # fmt: skip
     loss.backward()
     fused_grads = {n: p.grad.clone() for n, p in draft.named_parameters()}
     draft.zero_grad()
@@ -132,7 +136,7 @@ def test_lyanna_draft_loss_matches_the_unchunked_formula(info_gate: bool, info_s
             logits = logits + draft.token_info(parents, pred[answer])
         p = (target_h[answer] @ head.T).softmax(-1)
         ce = -(p * logits.log_softmax(-1)).sum(-1).mean()
-        total = total + 0.5 * mse + 0.7 * ce
+        total = total + (step_weights[i - 1] if step_weights else 1.0) * (0.5 * mse + 0.7 * ce)
         assert metrics[f"ce{i}"] == pytest.approx(float(ce.detach()), rel=1e-5)
         top1 = (logits.argmax(-1) == p.argmax(-1)).float().mean()
         assert metrics[f"top1_{i}"] == pytest.approx(float(top1))

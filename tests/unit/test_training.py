@@ -3,6 +3,7 @@ cover the data, and training steps reduce the loss on a tiny model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -131,3 +132,25 @@ def test_train_steps_reduce_loss_and_resume(tmp_path: Path) -> None:
     assert exported["fc.weight"].dtype == torch.float16
     assert exported["hot_vocab"].dtype == torch.int64
     assert not any("embed" in name for name in exported)
+
+
+def test_step_weights_weigh_each_unrolled_step() -> None:
+    """``step_weights`` (issue 41): the loss is the mean over steps of each step's loss times
+    its multiplier (scaled to mean 1), the per-step losses read back from the metrics."""
+    model = make_tiny_model(0, vocab_size=32)
+    sequences = _tiny_sequences(model)
+    base = TrainConfig(hot_vocab_size=24, unroll_steps=3, regression_weight=0.3, ce_weight=0.2)
+    batch = collate(sequences, base)
+    trainer = _tiny_trainer(model, base, sequences).eval()
+    with torch.no_grad():
+        plain, metrics = trainer.loss(batch)
+        weighted = dataclasses.replace(base, step_weights="1,2,5")
+        trainer.train_config = weighted
+        loss, _ = trainer.loss(batch)
+    steps = [0.3 * metrics[f"step{k}_reg"] + 0.2 * metrics[f"step{k}_ce"] for k in (1, 2, 3)]
+    assert float(plain) == pytest.approx(sum(steps) / 3, rel=1e-5)
+    assert weighted.step_weight_list() == pytest.approx([0.375, 0.75, 1.875])
+    expected = sum(w * s for w, s in zip([0.375, 0.75, 1.875], steps, strict=True)) / 3
+    assert float(loss) == pytest.approx(expected, rel=1e-5)
+    with pytest.raises(ValueError, match="step_weights"):
+        TrainConfig(unroll_steps=3, step_weights="1,2")
