@@ -73,8 +73,19 @@ def hot_vocab_of(export_dir: Path) -> torch.Tensor:
     return state["hot_vocab"] if "hot_vocab" in state else state["hot_ids"]
 
 
-def spec_bench(best: dict[str, Path], per_category: int, max_tokens: int, depth: int) -> dict:
-    """Each best checkpoint on Spec-Bench, ungated, a chain of ``depth`` tokens every step."""
+def checkpoint_kind(path: Path) -> str:
+    """ "eagle" or "lyanna", from an exported checkpoint's ``config.json``."""
+    return (
+        "eagle"
+        if json.loads((path / "config.json").read_text()).get("kind") == "eagle"
+        else "lyanna"
+    )
+
+
+def spec_bench(checkpoints: dict[str, Path], per_category: int, max_tokens: int,
+               depth: int) -> dict:  # fmt: skip
+    """Each named checkpoint (EAGLE-2 or Lyanna, read from its config) on Spec-Bench, ungated,
+    a chain of ``depth`` tokens every step; AR runs first as the reference."""
     from bench.spec_bench import BenchSetup, run_methods
     from lyanna.drafters.base import DraftBudget
     from lyanna.drafters.eagle import EagleDrafter
@@ -84,19 +95,44 @@ def spec_bench(best: dict[str, Path], per_category: int, max_tokens: int, depth:
 
     setup = BenchSetup.load(per_category=per_category)
     budget = DraftBudget(depth=depth, top_k=1, max_tokens=depth)
-    factories = {
-        "eagle": lambda: EagleDrafter(setup.model, load_eagle_head(best["eagle"]), budget),
-        "lyanna": lambda: LyannaDrafter.from_checkpoint(setup.model, best["lyanna"],
-                                                        budget=budget, sample_drafts=False),
-    }  # fmt: skip
-    factories = {k: v for k, v in factories.items() if k in best}
+
+    def factory(path: Path):
+        if checkpoint_kind(path) == "eagle":
+            return lambda: EagleDrafter(setup.model, load_eagle_head(path), budget)
+        return lambda: LyannaDrafter.from_checkpoint(setup.model, path, budget=budget,
+                                                     sample_drafts=False)  # fmt: skip
+
+    factories = {name: factory(path) for name, path in checkpoints.items()}
     results = run_methods(setup, list(factories), 1, SamplingParams(max_tokens=max_tokens),
                           lambda m: budget, factories=factories)  # fmt: skip
     return {
         k: {"tau": r["tau"], "cond_accept": r["cond_accept"], "prompts": setup.num_prompts,
-            "greedy_mismatches": r["greedy_mismatches"]}
+            "greedy_mismatches": r["greedy_mismatches"],
+            "decode_speedup_vs_ar": r["decode_speedup_vs_ar"]}
         for k, r in results.items() if k != "ar"
     }  # fmt: skip
+
+
+def gate_off_main(argv: list[str] | None = None) -> dict:
+    """``python -m training.compare gate-off NAME=DIR ...``: Spec-Bench with the gate off for
+    any exported checkpoints (e.g. ``training.ablate`` runs), printed as JSON."""
+    parser = argparse.ArgumentParser(prog="python -m training.compare gate-off")
+    parser.add_argument("checkpoints", nargs="+", help="NAME=DIR of an exported drafter")
+    parser.add_argument("--per-category", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--depth", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    named = dict(item.split("=", 1) for item in args.checkpoints)
+    result = spec_bench({k: Path(v) for k, v in named.items()}, args.per_category,
+                        args.max_tokens, args.depth)  # fmt: skip
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+    return result
 
 
 def markdown(report: dict) -> str:
@@ -288,4 +324,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["gate-off"]:
+        gate_off_main(sys.argv[2:])
+    else:
+        main()

@@ -84,8 +84,9 @@ def test_compare_runs_an_equal_budget_sweep_and_writes_table_and_plot(
 
 
 def test_spec_bench_of_the_best_checkpoints_drafts_ungated_chains(tmp_path, monkeypatch) -> None:
-    """``--spec-bench-per-category``: each best checkpoint drafts a chain of the tree depth on
-    every step (no gate), losslessly, with acceptance reported per depth."""
+    """``--spec-bench-per-category`` (and ``gate-off NAME=DIR``): each checkpoint, under any
+    name, its kind read from its config, drafts a chain of the tree depth on every step (no
+    gate), losslessly, with acceptance reported per depth."""
     import bench.spec_bench as spec_bench_module
     from bench.spec_bench import BenchSetup
     from tests.unit.test_evaluate import _checkpoint, _trained
@@ -95,10 +96,13 @@ def test_spec_bench_of_the_best_checkpoints_drafts_ungated_chains(tmp_path, monk
     monkeypatch.setattr(spec_bench_module.BenchSetup, "load",
                         classmethod(lambda cls, per_category: setup))  # fmt: skip
 
-    best = {kind: _checkpoint(_trained(kind, model, seed), tmp_path / kind)
-            for kind, seed in (("eagle", 1), ("lyanna", 2))}  # fmt: skip
-    out = compare_module.spec_bench(best, per_category=2, max_tokens=12, depth=3)
-    assert set(out) == {"eagle", "lyanna"}
+    runs = (("baseline", "eagle", 1), ("variant", "lyanna", 2))
+    named = {name: _checkpoint(_trained(kind, model, seed), tmp_path / kind)
+             for name, kind, seed in runs}  # fmt: skip
+    assert compare_module.checkpoint_kind(named["baseline"]) == "eagle"
+    assert compare_module.checkpoint_kind(named["variant"]) == "lyanna"
+    out = compare_module.spec_bench(named, per_category=2, max_tokens=12, depth=3)
+    assert set(out) == {"baseline", "variant"}
     for result in out.values():
         assert result["greedy_mismatches"] == 0 and result["prompts"] == 2
         assert len(result["cond_accept"]) == 3  # a node at every depth of the chain
