@@ -74,12 +74,9 @@ def hot_vocab_of(export_dir: Path) -> torch.Tensor:
 
 
 def checkpoint_kind(path: Path) -> str:
-    """ "eagle" or "lyanna", from an exported checkpoint's ``config.json``."""
-    return (
-        "eagle"
-        if json.loads((path / "config.json").read_text()).get("kind") == "eagle"
-        else "lyanna"
-    )
+    """The drafter an exported checkpoint holds, from its ``config.json``: eagle or lyanna."""
+    config = json.loads((path / "config.json").read_text())
+    return "eagle" if config.get("kind") == "eagle" else "lyanna"
 
 
 def spec_bench(checkpoints: dict[str, Path], per_category: int, max_tokens: int,

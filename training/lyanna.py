@@ -169,6 +169,7 @@ def draft_loss(
     total = hidden.new_zeros(())
     metrics: dict[str, float] = {}
     all_parents = None  # [B, valid] with drafted_parents: step i's parent at each anchor
+    state_info = model.info_up is not None  # info_space="state": the info corrects the state
     for i, y in enumerate(outputs, start=1):
         valid = T - 1 - i  # anchors j with j + i + 1 < T (the token to predict exists)
         if valid <= 0:
@@ -179,7 +180,6 @@ def draft_loss(
         step_parents = tokens[:, i : i + valid]
         if drafted_parents and all_parents is not None:
             step_parents = all_parents[:, :valid]
-        state_info = model.info_up is not None
         if drafted_parents:  # the next step's parents: this step's first choice everywhere
             all_parents = first_choices(model, pred.detach(), step_parents)
         alone = pred
