@@ -3,7 +3,8 @@ first ``--max-sequences`` held-out sequences, for chain steps 1 to ``--steps``: 
 hot vocabulary (against the target's full-vocabulary argmax) of the predicted state alone, of
 the state with the parent token's info bias (what the drafter ranks), and of the target's
 *true* next state with the same bias (what a perfect chain would reach); the cosine between
-the predicted and the true state, and the bias's RMS.
+the predicted and the true state, and the bias's RMS (with ``info_copy`` the bias includes
+the parent's copy read).
 
     python -m training.chain_probe NAME:DIR [NAME:DIR ...] [--max-sequences 24] [--steps 3]
 
@@ -39,6 +40,9 @@ def probe(draft, embedding: torch.Tensor, batches, steps: int) -> list[dict[str,
             keep = b.answer[:, i + 1 : i + 1 + valid]  # the predicted token is an answer
             pred, true = y[:, :valid][keep], b.hidden[:, i : i + valid][keep]
             bias = draft.token_info(b.tokens[:, i : i + valid][keep], pred)
+            if draft.copy is not None:  # a copy read joins the bias (what the drafter ranks)
+                read = draft.copy_read(b.tokens[:, i : i + valid], y[:, :valid], b.tokens, b.hidden)
+                bias = bias + read[keep] @ head.T
             best = (true @ embedding.T).argmax(-1)
             s = sums[i - 1]
             s["state_alone"] += _hits(hot, pred @ head.T, best)

@@ -64,6 +64,7 @@ class TrainConfig:
     info_scale_init: float = 0.1
     info_gate: bool = False  # the bias gated by the chain state (LyannaDraftConfig.info_gate)
     info_space: str = "logits"  # logits | state: where the token info joins (LyannaDraftConfig)
+    info_copy: bool = False  # the parent's copy read of the context (LyannaDraftConfig.info_copy)
     regression_loss: str = ""
     feature_noise: float = 0.0
     # bookkeeping

@@ -118,9 +118,14 @@ def lyanna_first_choices(model, batch: TrainBatch, steps: int) -> list[torch.Ten
     out = []
     for k, y in enumerate(draft.unrolled(batch.hidden, batch.tokens, steps), start=1):
         first = torch.full((B, T), -1, dtype=torch.int64, device=y.device)
-        rows = y[:, : T - k].reshape(-1, y.shape[-1])  # anchors 0 .. T-k-1 -> s = k .. T-1
+        states = y[:, : T - k]  # anchors 0 .. T-k-1 -> s = k .. T-1
         parents = batch.tokens[:, k:].reshape(-1)
-        hot = _hot_argmax(rows, head, lambda s, p=parents, r=rows: draft.token_info(p[s], r[s]))
+        read = states
+        if draft.copy is not None:  # the LM head reads the state and the parent's copy read
+            read = states + draft.copy_read(batch.tokens[:, k:], states, batch.tokens, batch.hidden)
+        rows = read.reshape(-1, y.shape[-1])
+        states = states.reshape(-1, y.shape[-1])
+        hot = _hot_argmax(rows, head, lambda s, p=parents, r=states: draft.token_info(p[s], r[s]))
         first[:, k:] = draft.hot_ids[hot].view(B, T - k)
         out.append(first)
     return out

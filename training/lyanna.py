@@ -44,6 +44,7 @@ class LyannaTrainModel(nn.Module):
             feed_residual=config.feed_residual,
             info_gate=config.info_gate,
             info_space=config.info_space,
+            info_copy=config.info_copy,
         )
         model = cls(LyannaDraftModel(draft_config, target.embedding, target.hot_vocab), config)
         state = default_target_state(target_config) if config.init_from_target else None
@@ -103,15 +104,19 @@ class LyannaTrainModel(nn.Module):
 
     def load_export(self, state: dict[str, torch.Tensor]) -> None:
         """Start from an exported checkpoint (the inverse of ``export``). A checkpoint without
-        the token-info gate loads into a gated model with the gate at zero: the same drafter,
-        so ``--init-from`` a committed checkpoint with ``--info-gate true`` continues it."""
+        the token-info gate loads into a gated model with the gate at zero, one without a copy
+        read into a copy model with its scale at zero: the same drafter, so ``--init-from`` a
+        committed checkpoint with ``--info-gate true`` (``--info-copy true``) continues it."""
         missing, unexpected = self.draft.load_state_dict(
             {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=False
         )
-        if unexpected or set(missing) - {"info_gate.weight"}:
+        new_parts = {"info_gate.weight"} | {k for k in missing if k.startswith("copy.")}
+        if unexpected or set(missing) - new_parts:
             raise RuntimeError(f"checkpoint mismatch: missing {missing}, unexpected {unexpected}")
-        if missing:
+        if "info_gate.weight" in missing:
             torch.nn.init.zeros_(self.draft.info_gate.weight)
+        if "copy.scale" in missing:  # a copy read that starts silent: the same drafter
+            torch.nn.init.zeros_(self.draft.copy.scale)
 
     def config_dict(self) -> dict:
         return self.draft.config.to_dict()
@@ -159,7 +164,9 @@ def draft_loss(
     ``step_weights`` multiplies each unrolled step's loss (default: all 1).
 
     With ``info_space="state"`` the token info is a correction of the state, so the MSE and
-    the cross-entropy both read ``h + D(parent, h)`` (the chain still feeds ``h`` on)."""
+    the cross-entropy both read ``h + D(parent, h)`` (the chain still feeds ``h`` on). With
+    ``info_copy`` the cross-entropy reads ``h`` plus the parent's copy read of the context
+    (the MSE, the chain's state alone)."""
     steps = steps or model.config.chain_steps
     T = hidden.shape[1]
     weight = loss_mask.float()
@@ -170,6 +177,8 @@ def draft_loss(
     metrics: dict[str, float] = {}
     all_parents = None  # [B, valid] with drafted_parents: step i's parent at each anchor
     state_info = model.info_up is not None  # info_space="state": the info corrects the state
+    if drafted_parents and model.copy is not None:
+        raise ValueError("drafted parents with a copy read are not implemented")
     for i, y in enumerate(outputs, start=1):
         valid = T - 1 - i  # anchors j with j + i + 1 < T (the token to predict exists)
         if valid <= 0:
@@ -195,6 +204,8 @@ def draft_loss(
         rows, targets = pred[answer], target_h[answer]
         ones = torch.ones_like(parents, dtype=torch.float32)
         info = None if state_info else token_info_factors(model, parents, rows)
+        if model.copy is not None:  # the LM head reads the state and the parent's copy read
+            rows = rows + model.copy_read(step_parents, pred, tokens, hidden)[answer]
         out = fused_hot_ce(rows, head, targets, ones, info)
         ce = out.loss / max(1, rows.shape[0])
         step_loss = alpha * mse + beta * ce

@@ -141,6 +141,11 @@ class LyannaDrafter(SampledDrafting):
     ) -> LyannaDrafter:
         values, state = read_checkpoint(path, "Lyanna")
         config = LyannaDraftConfig.from_dict(values)
+        if config.info_copy:
+            raise ValueError(
+                f"{path}: a copy-read Lyanna drafter (info_copy, issue 41) is trained and "
+                "evaluated only; the serving drafter does not read the context yet"
+            )
         state = {k: v.float() for k, v in state.items()}
         draft = LyannaDraftModel(config, target.embed_tokens.weight, state["hot_ids"].long())
         draft.load_state_dict(state, strict=True)

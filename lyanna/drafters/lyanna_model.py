@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lyanna.model.config import ModelConfig
@@ -54,13 +55,22 @@ class LyannaDraftConfig:
     # stays canonical); on the logits that is the bias D W_head, one-pass logits intact, and
     # training regresses h + D on the target's state: a dense signal for the token info
     info_space: str = "logits"
+    # issue 41: a copy read for the parent. EAGLE's layer reads the drafted token with a query
+    # over the context (it can look up what followed that token before); Lyanna's chain never
+    # sees it. So the parent queries the committed context's tokens, q = E(t) Wq (+ h Wqs),
+    # k_p = E(t_p) Wk (cosine scores, a learned temperature and a "no match" sink), and reads
+    # their target states H_p (which predict t_(p+1)); the read, scaled per dimension and
+    # gated by the chain state, joins the state the LM head reads only (the chain still feeds
+    # h on: canonical). Training and evaluation; not served yet
+    info_copy: bool = False
+    copy_dim: int = 64
 
     def __post_init__(self) -> None:
         if not 0 < self.num_hot <= self.target.vocab_size:
             raise ValueError("num_hot must be in (0, vocab_size]")
         if self.info_space not in ("logits", "state"):
             raise ValueError("info_space must be 'logits' or 'state'")
-        if self.chain_steps < 1 or self.info_rank < 1:
+        if self.chain_steps < 1 or self.info_rank < 1 or self.copy_dim < 1:
             raise ValueError("chain_steps and info_rank must be >= 1")
 
     def to_dict(self) -> dict:
@@ -102,6 +112,10 @@ class LyannaDraftModel(nn.Module):
         if config.info_gate:
             self.info_gate = nn.Linear(t.hidden_size, config.info_rank, bias=False)
             nn.init.zeros_(self.info_gate.weight)
+        if config.info_copy:
+            self.copy = CopyRead(t.hidden_size, config.copy_dim)
+        else:
+            self.copy = None
         cos, sin = rope_tables(t)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -135,6 +149,22 @@ class LyannaDraftModel(nn.Module):
                 raise ValueError("an info_gate drafter's token info needs the chain states")
             a = a * (1.0 + self.info_gate(states.to(a.dtype)))
         return a
+
+    def copy_read(
+        self,
+        parent_tokens: torch.Tensor,  # [B, A] parent of each anchor j = 0 .. A-1
+        states: torch.Tensor,  # [B, A, n] the chain's state at each anchor
+        tokens: torch.Tensor,  # [B, T] the context's tokens (T >= A)
+        hidden: torch.Tensor,  # [B, T, n] the target's states at them
+    ) -> torch.Tensor:
+        """``info_copy``: what the parent's copy read adds to the state the LM head reads,
+        [B, A, n]; anchor j reads the context positions p <= j (training's layout)."""
+        if self.copy is None:
+            raise ValueError("only an info_copy drafter has a copy read")
+        A, T = parent_tokens.shape[1], tokens.shape[1]
+        visible = torch.ones(A, T, dtype=torch.bool, device=tokens.device).tril()
+        emb = self.embedding
+        return self.copy(emb[parent_tokens], states, emb[tokens], hidden, visible)
 
     def info_keep(self, parent_tokens: torch.Tensor) -> torch.Tensor:
         """Which parents have token info: hot tokens, when token info is on ([...] bool)."""
@@ -210,6 +240,49 @@ class LyannaDraftModel(nn.Module):
             outputs.append(y)
             x = raw if self.config.feed_residual else y
         return outputs
+
+
+class CopyRead(nn.Module):
+    """The parent's read of the context (``LyannaDraftConfig.info_copy``): cosine attention
+    of the parent's embedding (plus a projection of the chain state, zero at the start) over
+    the context tokens' embeddings, with a learned temperature and a "no match" sink key,
+    over the target's states at those tokens; scaled per dimension (a drafter without it
+    loads with the scale at zero: the same drafter) and by a gate sigmoid(h w + b)."""
+
+    def __init__(self, hidden_size: int, dim: int):
+        super().__init__()
+        proj = torch.randn(hidden_size, dim) / hidden_size**0.5
+        self.query = nn.Parameter(proj.clone())  # the same projection: equal tokens match
+        self.key = nn.Parameter(proj)
+        self.state_query = nn.Parameter(torch.zeros(hidden_size, dim))
+        self.sink = nn.Parameter(torch.zeros(dim))  # the sink's score: q . sink + sink_bias
+        self.sink_bias = nn.Parameter(torch.zeros(()))
+        self.log_temperature = nn.Parameter(torch.tensor(2.3))  # about 10
+        self.scale = nn.Parameter(torch.ones(hidden_size))
+        self.gate = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.gate.weight)
+        nn.init.zeros_(self.gate.bias)
+
+    def forward(
+        self,
+        parent_emb: torch.Tensor,  # [B, A, n]
+        states: torch.Tensor,  # [B, A, n]
+        key_emb: torch.Tensor,  # [B, T, n]
+        values: torch.Tensor,  # [B, T, n]
+        visible: torch.Tensor,  # [A, T] or [B, A, T] bool: which keys each row may read
+    ) -> torch.Tensor:
+        dtype = states.dtype
+        q = parent_emb.to(dtype) @ self.query.to(dtype) + states @ self.state_query.to(dtype)
+        q = F.normalize(q.float(), dim=-1) * self.log_temperature.exp()
+        k = F.normalize((key_emb.to(dtype) @ self.key.to(dtype)).float(), dim=-1)
+        scores = q @ k.transpose(-1, -2)  # [B, A, T]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        sink = q @ self.sink.float() + self.sink_bias.float()
+        scores = torch.cat([scores, sink[..., None]], dim=-1)
+        weights = scores.softmax(-1)[..., :-1]
+        read = weights.to(values.dtype) @ values  # [B, A, n]
+        gate = torch.sigmoid(self.gate(states.float()))
+        return (gate * read.float() * self.scale.float()).to(dtype)
 
 
 class _TrainingKV:

@@ -1,0 +1,152 @@
+"""Lyanna's copy read (issue 41, ``LyannaDraftConfig.info_copy``): the parent token looks up
+the context positions that held it and reads the target's states there (what followed it),
+seeing only the context before its anchor; a drafter without it continues as the same
+drafter; evaluation's first choices follow it; the serving drafter refuses it clearly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from lyanna.drafters.lyanna import LyannaDrafter
+from lyanna.drafters.lyanna_model import LyannaDraftConfig, LyannaDraftModel
+from tests.conftest import make_tiny_model
+from training.losses import TrainBatch
+from training.lyanna import draft_loss
+
+VOCAB = 16
+
+
+def copy_draft(target, seed: int = 0, info_gate: bool = False) -> LyannaDraftModel:
+    torch.manual_seed(seed)
+    config = LyannaDraftConfig(target.config, num_hot=VOCAB, info_rank=4, chain_steps=3,
+                               info_gate=info_gate, info_copy=True, copy_dim=16)  # fmt: skip
+    return LyannaDraftModel(config, target.embed_tokens.weight, torch.randperm(VOCAB))
+
+
+def exact_copy(draft: LyannaDraftModel, sink_score: float = -1e4) -> None:
+    """Make the read a hard lookup: query = key projection, a sharp temperature, the gate
+    open, unit scale, the sink at ``sink_score``."""
+    c = draft.copy
+    with torch.no_grad():
+        c.query.copy_(c.key)
+        c.state_query.zero_()
+        c.log_temperature.fill_(8.0)  # ~3000: cosine 1 against anything below wins outright
+        c.sink.zero_()
+        c.sink_bias.fill_(sink_score)
+        c.gate.bias.fill_(30.0)  # sigmoid ~ 1
+        c.scale.fill_(1.0)
+
+
+def test_the_parent_reads_the_state_where_it_occurred_before() -> None:
+    target = make_tiny_model(3, vocab_size=VOCAB)
+    draft = copy_draft(target)
+    exact_copy(draft)
+    n = target.config.hidden_size
+    tokens = torch.tensor([[4, 9, 2, 7, 11, 5]])
+    hidden = torch.randn(1, 6, n)
+    # anchors 0..3; parents: 2 (at p=2: unseen at anchor 0, seen at 2), 9 (p=1), 4 (p=0)
+    parents = torch.tensor([[2, 9, 2, 4]])
+    states = torch.randn(1, 4, n)
+    read = draft.copy_read(parents, states, tokens, hidden)
+    # anchor 0 sees only p=0 (token 4, not 2): the sink is far below, so it reads H_0
+    torch.testing.assert_close(read[0, 0], hidden[0, 0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(read[0, 1], hidden[0, 1], rtol=1e-4, atol=1e-4)  # 9 at p=1
+    torch.testing.assert_close(read[0, 2], hidden[0, 2], rtol=1e-4, atol=1e-4)  # 2 at p=2
+    torch.testing.assert_close(read[0, 3], hidden[0, 0], rtol=1e-4, atol=1e-4)  # 4 at p=0
+    # with a sink above every mismatch but below a match, a parent never seen reads nothing
+    emb = torch.nn.functional.normalize(target.embed_tokens.weight @ draft.copy.key, dim=-1)
+    cosines = emb @ emb.T - 2 * torch.eye(VOCAB)
+    assert cosines.max() < 0.95  # distinct tokens: distinct keys
+    exact_copy(draft, sink_score=0.97 * 2980.0)
+    read = draft.copy_read(parents, states, tokens, hidden)
+    assert read[0, 0].abs().max() < 1e-3  # 2 was not at p=0
+    torch.testing.assert_close(read[0, 1], hidden[0, 1], rtol=1e-3, atol=1e-3)
+
+
+def test_the_read_sees_only_the_context_up_to_its_anchor() -> None:
+    target = make_tiny_model(4, vocab_size=VOCAB)
+    draft = copy_draft(target, seed=2, info_gate=True)
+    with torch.no_grad():
+        for p in draft.copy.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    n = target.config.hidden_size
+    tokens = torch.randint(0, VOCAB, (2, 10))
+    hidden = torch.randn(2, 10, n)
+    parents, states = torch.randint(0, VOCAB, (2, 7)), torch.randn(2, 7, n)
+    before = draft.copy_read(parents, states, tokens, hidden)
+    later_tokens, later_hidden = tokens.clone(), hidden.clone()
+    later_tokens[:, 4:] = (later_tokens[:, 4:] + 1) % VOCAB
+    later_hidden[:, 4:] += 1.0
+    after = draft.copy_read(parents, states, later_tokens, later_hidden)
+    torch.testing.assert_close(after[:, :4], before[:, :4])  # anchors 0..3 never saw p >= 4
+    assert (after[:, 4:] - before[:, 4:]).abs().amax(-1).min() > 1e-4
+
+
+def test_a_drafter_without_it_continues_as_the_same_drafter() -> None:
+    """``--init-from`` a copy-less export with ``--info-copy true``: the scale starts at
+    zero, so the loss is the copy-less drafter's; training then moves the read."""
+    from training.config import parse_overrides
+    from training.losses import FrozenTarget
+    from training.lyanna import LyannaTrainModel
+
+    target = make_tiny_model(5, vocab_size=VOCAB)
+    frozen = FrozenTarget.from_embedding(target.embed_tokens.weight, torch.arange(VOCAB))
+    base = ["--hot-vocab-size", str(VOCAB)]
+    plain = LyannaTrainModel.build(frozen, target.config, parse_overrides(base))
+    with torch.no_grad():
+        plain.draft.w2.normal_()
+    copying = LyannaTrainModel.build(frozen, target.config,
+                                     parse_overrides(base + ["--info-copy", "true"]))  # fmt: skip
+    assert float(copying.draft.copy.scale.detach().abs().min()) > 0  # a fresh one starts reading
+    copying.load_export(plain.export())
+    plain.load_export(plain.export())  # both hold the fp16-rounded weights
+    assert float(copying.draft.copy.scale.abs().max()) == 0
+    torch.manual_seed(0)
+    hidden, tokens = torch.randn(2, 9, target.config.hidden_size), torch.randint(0, VOCAB, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    with torch.no_grad():
+        expected, _ = draft_loss(plain.draft, hidden, tokens, mask)
+    loss, _ = draft_loss(copying.draft, hidden, tokens, mask)
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    assert float(copying.draft.copy.scale.grad.abs().sum()) > 0
+
+
+def test_first_choices_copy_what_followed_the_parent() -> None:
+    """A loud exact copy read (the chain's own logits drowned out) makes evaluation's first
+    choice at every step the token that followed the parent earlier in the context."""
+    from training.evaluate import lyanna_first_choices
+
+    target = make_tiny_model(6, vocab_size=VOCAB)
+    draft = copy_draft(target, seed=1)
+    exact_copy(draft)
+    emb = target.embed_tokens.weight
+    assert ((emb @ emb.T).argmax(-1) == torch.arange(VOCAB)).all()  # H = E(next) ranks it first
+    with torch.no_grad():
+        draft.copy.scale.fill_(1e3)
+        draft.w2.zero_()
+    period = [3, 8, 1, 12, 6]
+    tokens = torch.tensor([period * 4])  # [1, 20], each token followed by the same one
+    hidden = torch.zeros(1, 20, emb.shape[1])
+    hidden[0, :-1] = emb[tokens[0, 1:]]  # the target's state at p predicts t_(p+1)
+    batch = TrainBatch(tokens, hidden, torch.ones(1, 20), torch.ones(1, 20, dtype=torch.bool))
+    model = type("Wrapped", (), {"draft": draft})()
+    for k, first in enumerate(lyanna_first_choices(model, batch, 3), start=1):
+        # decided at s = anchor + k with parent t_s, anchor >= 4: the parent occurred before
+        # (the state decided at s predicts t_(s+1))
+        for s in range(4 + k, 19):
+            assert int(first[0, s]) == int(tokens[0, s + 1]), (k, s)
+
+
+def test_the_serving_drafter_refuses_a_copy_checkpoint(tmp_path) -> None:
+    target = make_tiny_model(7, vocab_size=VOCAB)
+    draft = copy_draft(target)
+    state = {k: v.contiguous() for k, v in draft.state_dict().items()}
+    save_file(state, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(draft.config.to_dict()))
+    with pytest.raises(ValueError, match="copy-read"):
+        LyannaDrafter.from_checkpoint(target, tmp_path)
