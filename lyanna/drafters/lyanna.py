@@ -40,7 +40,13 @@ from lyanna.drafters.placement import DraftPlacement, to_host
 from lyanna.drafters.sampled import DraftSampling, SampledDrafting
 from lyanna.drafters.scopes import LAYER_SCOPE, LM_HEAD_SCOPE, scope
 from lyanna.drafters.static_draft import ChainKey, draft_window, kv_bucket, lyanna_steps
-from lyanna.drafters.token_info_tree import GatedTokenInfo, build_subtrees, resample_subtree
+from lyanna.drafters.token_info_tree import (
+    ContextCopy,
+    GatedTokenInfo,
+    TokenInfo,
+    build_subtrees,
+    resample_subtree,
+)
 from lyanna.model.kv_cache import KVCache
 from lyanna.model.quant import runs_q4
 from lyanna.model.static_step import CapturedSteps
@@ -67,7 +73,11 @@ class _SeqState:
     # sequence next drafts (a gated-off sequence may not draft for many steps)
     unfused: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     chain_logits: torch.Tensor | None = None  # [N, num_hot] of the last fresh chain
-    chain_gates: torch.Tensor | None = None  # [N, rank] its token-info gates (info_gate only)
+    # its per-chain token info (info_gate, info_copy), B = 1: what re-sampling reads
+    chain_info: GatedTokenInfo | ContextCopy | None = None
+    # info_copy: the committed context's copy keys [L, dc] and target states [L, n]
+    copy_keys: torch.Tensor | None = None
+    copy_values: torch.Tensor | None = None
     resampled: DraftNodes | None = None
     resampled_paths: frozenset[tuple[int, ...]] = frozenset()  # token paths only it proposed
 
@@ -102,19 +112,20 @@ class LyannaDrafter(SampledDrafting):
         self.hot_ids, self.hot_index = draft.hot_ids.cpu(), draft.hot_index.cpu()
         if place.generic:  # plain modules on the target's device (the table from fp32 weights)
             place.move(draft)
-            info, gated = _token_info(draft)
+            info, per_chain = _token_info(draft)
             place.move(draft, draft.fc, draft.layer, draft.out_norm)
             self.lm_head = hot_lm_head(draft.embedding, self.hot_ids, place.dtype, generic=True)
         else:  # the CPU fast paths
             dtype = draft_weight_dtype(target) if weight_dtype == "auto" else weight_dtype
-            info, gated = _token_info(draft)  # from the fp32 weights, before packing
+            info, per_chain = _token_info(draft)  # from the fp32 weights, before packing
             prepare_draft_layers(draft, dtype, q4_layers=runs_q4(target))  # once, in place
             shared = draft.embedding.data_ptr() == target.embed_tokens.weight.data_ptr()
             blocks = embedding_blocks(target) if shared else None  # the target's own rows
             self.lm_head = hot_lm_head(draft.embedding, draft.hot_ids, dtype, blocks)
         self.info_table = info  # [num_hot, num_hot] on the draft's device, or None
-        self._gated = gated  # an info_gate drafter's token info instead (its gates per chain)
-        if gated is not None:  # no table for the captured device step: the host loop drafts
+        # an info_gate / info_copy drafter's token info instead, made per chain
+        self._per_chain = per_chain
+        if per_chain is not None:  # no table for the captured device step: the host loop
             self.device_steps = False
         self.budget = budget or DraftBudget()
         self._init_sampling(sample_drafts)  # and the gain calibrations
@@ -131,9 +142,29 @@ class LyannaDrafter(SampledDrafting):
         self.seqs: dict[int, _SeqState] = {}
         self._target = target
 
-    def _chain_info(self, chains: torch.Tensor) -> GatedTokenInfo | torch.Tensor | None:
-        """The token info of these chains [B, N, n]: the table, or gated by their states."""
-        return self.info_table if self._gated is None else self._gated.for_chains(chains)
+    def _chain_info(self, chains: torch.Tensor, states: list[_SeqState]) -> TokenInfo | None:
+        """The token info of these chains [B, N, n]: the table, or made from their states
+        (and with a copy read, their sequences' contexts and roots)."""
+        info = self._per_chain
+        if info is None:
+            return self.info_table
+        if isinstance(info, GatedTokenInfo):
+            return info.for_chains(chains)
+        roots = self.draft.embedding[self.placement.ids([s.root for s in states])]
+        return info.for_chains(chains, _padded_contexts(states), roots)
+
+    def _remember_context(self, state: _SeqState, tokens, hidden: torch.Tensor) -> None:
+        """info_copy: append committed tokens and the target's states at them to the
+        sequence's copy context (keys ``normalize(E(t) Wk)``)."""
+        info = self._per_chain
+        if not isinstance(info, ContextCopy):
+            return
+        keys = info.context_keys(self.draft.embedding[self.placement.ids(list(tokens))])
+        values = hidden.to(self.placement.device, torch.float32)
+        if state.copy_keys is not None:
+            keys = torch.cat([state.copy_keys, keys])
+            values = torch.cat([state.copy_values, values])
+        state.copy_keys, state.copy_values = keys, values
 
     @classmethod
     def from_checkpoint(
@@ -141,11 +172,6 @@ class LyannaDrafter(SampledDrafting):
     ) -> LyannaDrafter:
         values, state = read_checkpoint(path, "Lyanna")
         config = LyannaDraftConfig.from_dict(values)
-        if config.info_copy:
-            raise ValueError(
-                f"{path}: a copy-read Lyanna drafter (info_copy, issue 41) is trained and "
-                "evaluated only; the serving drafter does not read the context yet"
-            )
         state = {k: v.float() for k, v in state.items()}
         draft = LyannaDraftModel(config, target.embed_tokens.weight, state["hot_ids"].long())
         draft.load_state_dict(state, strict=True)
@@ -158,7 +184,8 @@ class LyannaDrafter(SampledDrafting):
         following = self.placement.ids([*prompt_ids[1:], first_token])
         with torch.inference_mode():
             pending = self.draft.fuse(self._own_dtype(prompt_hidden), following)
-        self.seqs[seq_id] = _SeqState(self.cache.allocate(), first_token, pending, 0)
+        self.seqs[seq_id] = state = _SeqState(self.cache.allocate(), first_token, pending, 0)
+        self._remember_context(state, prompt_ids, prompt_hidden)
 
     def on_verified(self, steps: list[VerifiedStep]) -> dict[int, int]:
         self._learn_acceptance(steps)
@@ -167,14 +194,16 @@ class LyannaDrafter(SampledDrafting):
             state = self.seqs[step.seq_id]
             following = torch.tensor([*step.committed[1:], step.next_token])
             state.unfused.append((step.hidden, following))
+            self._remember_context(state, step.committed, step.hidden)
             if count := _resampled_accepted(state, step):
                 resampled[step.seq_id] = count
             state.root = step.next_token
             state.resampled, state.resampled_paths = None, frozenset()
             if self.resample.enabled and state.chain_logits is not None:
-                info = self.info_table
-                if self._gated is not None:
-                    info = replace(self._gated, gates=state.chain_gates[None])
+                info = self.info_table if state.chain_info is None else state.chain_info
+                if isinstance(info, ContextCopy):  # the bonus token roots the subtree
+                    bonus = self.draft.embedding[self.placement.ids([step.next_token])]
+                    info = replace(info, root_query=info.rooted(bonus))
                 state.resampled = resample_subtree(
                     state.chain_logits,
                     step.num_accepted,
@@ -185,7 +214,7 @@ class LyannaDrafter(SampledDrafting):
                     self.hot_ids,
                     self.hot_index,
                 )
-            state.chain_logits = state.chain_gates = None
+            state.chain_logits = state.chain_info = None
         return resampled
 
     def release(self, seq_id: int) -> None:
@@ -250,11 +279,11 @@ class LyannaDrafter(SampledDrafting):
             chains = self._chains(states)  # [B, N, n]
         with scope(LM_HEAD_SCOPE):
             logits = self.lm_head(chains)  # [B, N, num_hot]: one GEMM
-        info = self._chain_info(chains)
+        info = self._chain_info(chains, states)
         for b, state in enumerate(states):
             state.chain_logits = logits[b]
-            if isinstance(info, GatedTokenInfo):
-                state.chain_gates = info.gates[b]
+            if not isinstance(info, torch.Tensor | None):
+                state.chain_info = info.chain(b)
         fresh = build_subtrees(
             logits,
             [s.root for s in states],
@@ -369,9 +398,36 @@ class LyannaDrafter(SampledDrafting):
         ]
 
 
-def _token_info(draft: LyannaDraftModel) -> tuple[torch.Tensor | None, GatedTokenInfo | None]:
-    """(the collapsed table, None), or with ``info_gate`` (None, the gated info's fixed parts,
-    float32 on the draft's device); (None, None) without token info."""
+def _token_info(
+    draft: LyannaDraftModel,
+) -> tuple[torch.Tensor | None, GatedTokenInfo | ContextCopy | None]:
+    """(the collapsed table, None), or with ``info_gate`` or ``info_copy`` (None, the per-chain
+    info's fixed parts, float32 on the draft's device); (None, None) without token info."""
+    table, gated = _own_token_info(draft)
+    copy = draft.copy
+    if copy is None:
+        return table, gated
+    with torch.no_grad():
+        query = copy.query.float().clone()
+        return None, ContextCopy(
+            base=gated if gated is not None else table,
+            query=query,
+            key=copy.key.float().clone(),
+            state_weight=copy.state_query.float().clone(),
+            gate_weight=copy.gate.weight.float()[0].clone(),
+            gate_bias=float(copy.gate.bias),
+            hot_query=draft.embedding[draft.hot_ids].float() @ query,
+            head=draft.embedding[draft.hot_ids].float(),
+            scale=copy.scale.float().clone(),
+            temperature=float(copy.log_temperature.exp()),
+            sink=copy.sink.float().clone(),
+            sink_bias=float(copy.sink_bias),
+        )
+
+
+def _own_token_info(draft: LyannaDraftModel) -> tuple[torch.Tensor | None, GatedTokenInfo | None]:
+    """The parent's own token info: (the collapsed table, None), or with ``info_gate`` (None,
+    the gated info's fixed parts); (None, None) without token info."""
     if not draft.config.use_token_info:
         return None, None
     if draft.info_gate is None:
@@ -384,6 +440,20 @@ def _token_info(draft: LyannaDraftModel) -> tuple[torch.Tensor | None, GatedToke
         gated = GatedTokenInfo(factors, draft.info_out().float(), weight, eps,
                                draft.info_gate.weight.float().clone())  # fmt: skip
     return None, gated
+
+
+def _padded_contexts(states: list[_SeqState]) -> tuple[torch.Tensor, ...]:
+    """Each sequence's copy context, padded to the longest: keys [B, L, dc], values [B, L, n],
+    visible [B, L] bool."""
+    lengths = [s.copy_keys.shape[0] for s in states]
+    width = max(lengths)
+    first = states[0]
+    keys = first.copy_keys.new_zeros(len(states), width, first.copy_keys.shape[1])
+    values = first.copy_values.new_zeros(len(states), width, first.copy_values.shape[1])
+    visible = torch.zeros(len(states), width, dtype=torch.bool, device=keys.device)
+    for b, (s, n) in enumerate(zip(states, lengths, strict=True)):
+        keys[b, :n], values[b, :n], visible[b, :n] = s.copy_keys, s.copy_values, True
+    return keys, values, visible
 
 
 def _token_paths(nodes: DraftNodes) -> frozenset[tuple[int, ...]]:

@@ -1,6 +1,7 @@
 """Token-info tree sampling (Lyanna paper, Algorithm 1) and the re-sampled subtree
 (Algorithm 2), as pure functions of a chain's raw logits and the collapsed token-info table
-(or a state-gated token info, ``GatedTokenInfo``: issue 41's ``info_gate``).
+(or a state-gated token info, ``GatedTokenInfo``: issue 41's ``info_gate``; and the parent's
+read of the context, ``ContextCopy``: ``info_copy``).
 
 For each chain step i, every frontier node gets ``softmax(l_i + T[node token])`` over the hot
 vocabulary and proposes its top-k tokens as children (joint probability = parent joint x
@@ -55,18 +56,107 @@ class GatedTokenInfo:
         return replace(self, gates=1.0 + chains.float() @ self.gate.T)
 
     def rows(self, hot: torch.Tensor, step: int) -> torch.Tensor:
-        """Bias rows [B, f, num_hot] of the frontier's hot rows ``hot`` [B, f] (>= 0)."""
-        u = (self.factors[hot] * self.gates[:, step, None, :]) @ self.w2
-        if self.weight is None:  # a state correction's bias D W_head
-            return u
-        return F.rms_norm(u, self.weight.shape, self.weight, self.eps)
+        """Bias rows [B, f, num_hot] of the frontier's hot rows ``hot`` [B, f] (-1: a cold
+        root, no token info)."""
+        u = (self.factors[hot.clamp(min=0)] * self.gates[:, step, None, :]) @ self.w2
+        if self.weight is not None:  # (None: a state correction's bias D W_head)
+            u = F.rms_norm(u, self.weight.shape, self.weight, self.eps)
+        return u * (hot >= 0)[..., None]
 
     def after(self, start: int) -> GatedTokenInfo:
         """The same chains from step ``start`` on (a re-sampled subtree's remaining steps)."""
         return replace(self, gates=self.gates[:, start:])
 
+    def chain(self, b: int) -> GatedTokenInfo:
+        """Chain ``b``'s token info alone (B = 1), kept for its re-sampling."""
+        return replace(self, gates=self.gates[b : b + 1])
 
-TokenInfo = torch.Tensor | GatedTokenInfo  # a collapsed [num_hot, num_hot] table, or gated
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ContextCopy:
+    """The parent's copy read of the context (``LyannaDraftConfig.info_copy``) on top of its
+    token info ``base``: parent ``t`` at chain step ``i`` queries its sequence's committed
+    tokens, ``q = normalize(E(t) Wq + h_i Wqs) * temperature`` against their normalised keys
+    ``E(t_p) Wk`` and a sink, reads the target's states there and adds
+    ``(sigmoid(h_i w + b) * read * scale) W_head`` to the logits (``lyanna_model.CopyRead``,
+    the same numbers). One attention read over the context per frontier row."""
+
+    base: torch.Tensor | GatedTokenInfo | None  # the parent's own token info (its fixed parts)
+    query: torch.Tensor  # [n, dc] Wq
+    key: torch.Tensor  # [n, dc] Wk
+    state_weight: torch.Tensor  # [n, dc] Wqs
+    gate_weight: torch.Tensor  # [n] w
+    gate_bias: float
+    hot_query: torch.Tensor  # [num_hot, dc] E(hot) Wq
+    head: torch.Tensor  # [num_hot, n] float32 hot LM-head rows
+    scale: torch.Tensor  # [n]
+    temperature: float
+    sink: torch.Tensor  # [dc]
+    sink_bias: float
+    # per chain (``for_chains``)
+    state_query: torch.Tensor | None = None  # [B, steps, dc] h_i Wqs
+    gates: torch.Tensor | None = None  # [B, steps, 1] sigmoid(h_i w + b)
+    keys: torch.Tensor | None = None  # [B, L, dc] normalised context keys (padded)
+    values: torch.Tensor | None = None  # [B, L, n] the target's states at them
+    visible: torch.Tensor | None = None  # [B, L] bool: a real context row, not padding
+    root_query: torch.Tensor | None = None  # [B, dc] E(root) Wq (a root may be cold)
+
+    def context_keys(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """Copy keys [m, dc] of committed tokens' embeddings [m, n]."""
+        return F.normalize(embeddings.float() @ self.key, dim=-1)
+
+    def for_chains(
+        self,
+        chains: torch.Tensor,  # [B, steps, n] the chains' states
+        contexts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # keys, values, visible
+        root_embeddings: torch.Tensor,  # [B, n] E(root) of each chain
+    ) -> ContextCopy:
+        """The copy read of these chains over their sequences' (padded) contexts."""
+        h = chains.float()
+        base = self.base.for_chains(h) if isinstance(self.base, GatedTokenInfo) else self.base
+        keys, values, visible = contexts
+        return replace(self, base=base, state_query=h @ self.state_weight,
+                       gates=torch.sigmoid(h @ self.gate_weight + self.gate_bias)[..., None],
+                       keys=keys, values=values, visible=visible,
+                       root_query=self.rooted(root_embeddings))  # fmt: skip
+
+    def rooted(self, root_embeddings: torch.Tensor) -> torch.Tensor:
+        """``E(root) Wq`` [B, dc] of root embeddings [B, n]."""
+        return root_embeddings.float() @ self.query
+
+    def rows(self, hot: torch.Tensor, step: int) -> torch.Tensor:
+        """Bias rows [B, f, num_hot] of the frontier's hot rows ``hot`` [B, f]: the base
+        token info (none for a cold root) plus the copy read."""
+        token = self.root_query[:, None] if step == 0 else self.hot_query[hot]  # [B, f|1, dc]
+        q = F.normalize(token + self.state_query[:, step, None], dim=-1) * self.temperature
+        scores = (q @ self.keys.transpose(1, 2)).masked_fill(~self.visible[:, None], -torch.inf)
+        sink = q @ self.sink + self.sink_bias
+        weights = torch.cat([scores, sink[..., None]], dim=-1).softmax(-1)[..., :-1]
+        read = (weights @ self.values) * self.gates[:, step, None] * self.scale  # [B, f, n]
+        copy = read @ self.head.T
+        if self.base is None:
+            return copy
+        if isinstance(self.base, GatedTokenInfo):
+            return self.base.rows(hot, step) + copy
+        return self.base[hot.clamp(min=0)].float() * (hot >= 0)[..., None] + copy
+
+    def after(self, start: int) -> ContextCopy:
+        """The same chains from step ``start`` on (the caller sets the new root's query)."""
+        base = self.base.after(start) if isinstance(self.base, GatedTokenInfo) else self.base
+        return replace(self, base=base, state_query=self.state_query[:, start:],
+                       gates=self.gates[:, start:])  # fmt: skip
+
+    def chain(self, b: int) -> ContextCopy:
+        """Chain ``b``'s token info alone (B = 1), kept for its re-sampling."""
+        base = self.base.chain(b) if isinstance(self.base, GatedTokenInfo) else self.base
+        one = slice(b, b + 1)
+        return replace(self, base=base, state_query=self.state_query[one],
+                       gates=self.gates[one], keys=self.keys[one], values=self.values[one],
+                       visible=self.visible[one], root_query=self.root_query[one])  # fmt: skip
+
+
+# a collapsed [num_hot, num_hot] table, a state-gated token info, or either with a copy read
+TokenInfo = torch.Tensor | GatedTokenInfo | ContextCopy
 
 
 def build_subtrees(
@@ -211,11 +301,10 @@ def _with_token_info(
     if info_table is None:
         return rows
     hot = hot.to(rows.device)  # a CPU frontier meets a GPU table (CPU: no-op)
+    if not isinstance(info_table, torch.Tensor):  # per-chain info: cold roots handled there
+        return rows + info_table.rows(hot, step)
     parents = hot.clamp(min=0) if step == 0 else hot
-    if isinstance(info_table, GatedTokenInfo):
-        info = info_table.rows(parents, step)
-    else:
-        info = info_table[parents].float()
+    info = info_table[parents].float()
     if step == 0:
         return torch.where((hot >= 0)[..., None], rows + info, rows)
     return rows + info
@@ -249,6 +338,6 @@ def resample_subtree(
     remaining = logits[num_accepted + 1 :]
     if remaining.shape[0] < max(min_remaining, 1):
         return None
-    if isinstance(info_table, GatedTokenInfo):
+    if not isinstance(info_table, torch.Tensor | None):
         info_table = info_table.after(num_accepted + 1)
     return build_subtree(remaining, bonus_token, top_k, info_table, hot_ids, hot_index)

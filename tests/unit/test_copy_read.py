@@ -11,8 +11,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from lyanna.drafters.lyanna import LyannaDrafter
+from lyanna.decode import generate
+from lyanna.drafters.base import DraftBudget
+from lyanna.drafters.lyanna import LyannaDrafter, ResampleConfig
 from lyanna.drafters.lyanna_model import LyannaDraftConfig, LyannaDraftModel
+from lyanna.engine import EngineConfig, SpecEngine
+from lyanna.sampling import SamplingParams
+from lyanna.sequence import Sequence
 from tests.conftest import make_tiny_model
 from training.losses import TrainBatch
 from training.lyanna import draft_loss
@@ -20,11 +25,12 @@ from training.lyanna import draft_loss
 VOCAB = 16
 
 
-def copy_draft(target, seed: int = 0, info_gate: bool = False) -> LyannaDraftModel:
+def copy_draft(target, seed: int = 0, info_gate: bool = False,
+               num_hot: int = VOCAB) -> LyannaDraftModel:  # fmt: skip
     torch.manual_seed(seed)
-    config = LyannaDraftConfig(target.config, num_hot=VOCAB, info_rank=4, chain_steps=3,
+    config = LyannaDraftConfig(target.config, num_hot=num_hot, info_rank=4, chain_steps=3,
                                info_gate=info_gate, info_copy=True, copy_dim=16)  # fmt: skip
-    return LyannaDraftModel(config, target.embed_tokens.weight, torch.randperm(VOCAB))
+    return LyannaDraftModel(config, target.embed_tokens.weight, torch.randperm(VOCAB)[:num_hot])
 
 
 def exact_copy(draft: LyannaDraftModel, sink_score: float = -1e4) -> None:
@@ -104,7 +110,7 @@ def test_a_drafter_without_it_continues_as_the_same_drafter() -> None:
     assert float(copying.draft.copy.scale.detach().abs().min()) > 0  # a fresh one starts reading
     copying.load_export(plain.export())
     plain.load_export(plain.export())  # both hold the fp16-rounded weights
-    assert float(copying.draft.copy.scale.abs().max()) == 0
+    assert float(copying.draft.copy.scale.detach().abs().max()) == 0
     torch.manual_seed(0)
     hidden, tokens = torch.randn(2, 9, target.config.hidden_size), torch.randint(0, VOCAB, (2, 9))
     mask = torch.ones(2, 9, dtype=torch.bool)
@@ -142,11 +148,81 @@ def test_first_choices_copy_what_followed_the_parent() -> None:
             assert int(first[0, s]) == int(tokens[0, s + 1]), (k, s)
 
 
-def test_the_serving_drafter_refuses_a_copy_checkpoint(tmp_path) -> None:
+def test_a_copy_checkpoint_loads_for_serving(tmp_path) -> None:
     target = make_tiny_model(7, vocab_size=VOCAB)
     draft = copy_draft(target)
+    with torch.no_grad():
+        draft.copy.scale.fill_(0.25)
     state = {k: v.contiguous() for k, v in draft.state_dict().items()}
     save_file(state, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(draft.config.to_dict()))
-    with pytest.raises(ValueError, match="copy-read"):
-        LyannaDrafter.from_checkpoint(target, tmp_path)
+    served = LyannaDrafter.from_checkpoint(target, tmp_path)
+    assert served.draft.copy is not None and float(served._per_chain.scale[0]) == 0.25
+
+
+def noisy_copy_draft(target, seed: int, info_gate: bool, num_hot: int = VOCAB) -> LyannaDraftModel:
+    """``copy_draft`` with every weight (the copy read's too) moved off its start."""
+    draft = copy_draft(target, seed, info_gate=info_gate, num_hot=num_hot)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+        draft.copy.log_temperature.fill_(1.5)
+    return draft
+
+
+@pytest.mark.parametrize(("info_gate", "cold_root"), [(False, False), (True, False), (True, True)])
+def test_served_copy_read_is_the_trained_one(info_gate: bool, cold_root: bool) -> None:
+    """The drafter serves a copy checkpoint with training's numbers: the tree's depth-1
+    children and probabilities are the softmax of ``h W_head + token_info + copy_read W_head``
+    at the root (a token of the prompt, so the read finds it), on the host loop. A cold root
+    has no token info but still reads the context."""
+    target = make_tiny_model(5, vocab_size=VOCAB)
+    draft = noisy_copy_draft(target, seed=2, info_gate=info_gate, num_hot=12)
+    hot = set(draft.hot_ids.tolist())
+    root = next(t for t in range(VOCAB) if (t in hot) != cold_root)
+    torch.manual_seed(4)
+    prompt = [1, root, 2, 4, 5, 6]
+    hidden = torch.randn(6, target.config.hidden_size)
+    drafter = LyannaDrafter(target, draft, DraftBudget(depth=3, top_k=2, max_tokens=16))
+    assert drafter.info_table is None and not drafter.device_steps
+    drafter.start(0, prompt, hidden, root)
+    tree = drafter.propose([0])[0]
+    tokens = torch.tensor([[*prompt, root]])
+    padded = torch.cat([hidden, torch.zeros(1, hidden.shape[1])])[None]  # the anchor j = 5
+    with torch.no_grad():
+        chain = draft.unrolled(padded, tokens, 3)
+        states = torch.stack([y[:, :6] for y in chain])  # [3, 1, 6, n]
+        read = draft.copy_read(tokens[:, 1:], states[0], tokens, padded)[0, 5]
+        h = states[0, 0, 5]
+        step1 = (h + read) @ draft.hot_head.T + draft.token_info(torch.tensor(root), h)
+    assert read.abs().max() > 1e-3  # the read is part of the numbers checked
+    probs = step1.softmax(-1)
+    children = [i for i, p in enumerate(tree.parent_list) if p == 0]
+    served = {tree.token_list[i]: float(tree.draft_token_probs[i]) for i in children}
+    top = probs.topk(2)
+    expected = {int(draft.hot_ids[c]): float(v) for v, c in zip(*top, strict=True)}
+    assert served.keys() == expected.keys()
+    for token, p in expected.items():
+        # (a gate-less base is the collapsed table, served in fp16)
+        assert served[token] == pytest.approx(p, rel=1e-4 if info_gate else 1e-3, abs=1e-5)
+
+
+@pytest.mark.parametrize("info_gate", [False, True])
+def test_a_copy_drafter_output_equals_plain_decoding(info_gate: bool) -> None:
+    """Lossless with a copy read, re-sampling and fusion on, two sequences batched (their
+    contexts of different lengths padded), and the context growing with each verified step."""
+    target = make_tiny_model(4, vocab_size=VOCAB)
+    draft = noisy_copy_draft(target, seed=0, info_gate=info_gate)
+    drafter = LyannaDrafter(target, draft, DraftBudget(depth=3, top_k=3, max_tokens=8),
+                            ResampleConfig(enabled=True, fusion=True), max_running=2,
+                            max_len=128)  # fmt: skip
+    prompts = [[1, 5, 9, 2, 5, 9], [3, 3, 7]]
+    engine = SpecEngine(target, drafter, EngineConfig(max_running=2, max_len=128))
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=20)) for i, p in enumerate(prompts)]
+    for s in seqs:
+        engine.submit(s)
+    stats = engine.run()
+    plain = [Sequence(i, p, SamplingParams(max_tokens=20)) for i, p in enumerate(prompts)]
+    generate(target, plain)
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in plain]
+    assert stats.num_drafted > 0 and stats.num_accepted > 0

@@ -337,7 +337,7 @@ def test_served_gated_token_info_is_the_trained_one(info_space: str) -> None:
     for token, p in expected.items():
         assert served[token] == pytest.approx(p, rel=1e-4, abs=1e-5)
     gates = 1 + states @ gate.T
-    torch.testing.assert_close(drafter.seqs[0].chain_gates, gates, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(drafter.seqs[0].chain_info.gates[0], gates, rtol=1e-4, atol=1e-4)
 
 
 def test_gated_resample_reads_the_remaining_steps_gates() -> None:
