@@ -46,7 +46,7 @@ def main() -> None:
         def build() -> LyannaDrafter:
             drafter = LyannaDrafter.from_checkpoint(setup.model, Path(path), budget=budget)
             if not token_info:
-                drafter.info_table = None
+                drafter.drop_token_info()
             return drafter
 
         return build

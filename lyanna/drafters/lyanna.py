@@ -75,9 +75,11 @@ class _SeqState:
     chain_logits: torch.Tensor | None = None  # [N, num_hot] of the last fresh chain
     # its per-chain token info (info_gate, info_copy), B = 1: what re-sampling reads
     chain_info: GatedTokenInfo | ContextCopy | None = None
-    # info_copy: the committed context's copy keys [L, dc] and target states [L, n]
+    # info_copy: the committed context's copy keys [L, dc] and target states [L, n] in the
+    # first copy_len rows of buffers with room to grow
     copy_keys: torch.Tensor | None = None
     copy_values: torch.Tensor | None = None
+    copy_len: int = 0
     resampled: DraftNodes | None = None
     resampled_paths: frozenset[tuple[int, ...]] = frozenset()  # token paths only it proposed
 
@@ -142,6 +144,11 @@ class LyannaDrafter(SampledDrafting):
         self.seqs: dict[int, _SeqState] = {}
         self._target = target
 
+    def drop_token_info(self) -> None:
+        """Ablation ("token info off at inference"): trees from the chain's logits alone, no
+        table, gated info or copy read."""
+        self.info_table = self._per_chain = None
+
     def _chain_info(self, chains: torch.Tensor, states: list[_SeqState]) -> TokenInfo | None:
         """The token info of these chains [B, N, n]: the table, or made from their states
         (and with a copy read, their sequences' contexts and roots)."""
@@ -155,16 +162,17 @@ class LyannaDrafter(SampledDrafting):
 
     def _remember_context(self, state: _SeqState, tokens, hidden: torch.Tensor) -> None:
         """info_copy: append committed tokens and the target's states at them to the
-        sequence's copy context (keys ``normalize(E(t) Wk)``)."""
+        sequence's copy context (keys ``normalize(E(t) Wk)``), in buffers that double when
+        full (no copy of the whole context per step)."""
         info = self._per_chain
         if not isinstance(info, ContextCopy):
             return
         keys = info.context_keys(self.draft.embedding[self.placement.ids(list(tokens))])
         values = hidden.to(self.placement.device, torch.float32)
-        if state.copy_keys is not None:
-            keys = torch.cat([state.copy_keys, keys])
-            values = torch.cat([state.copy_values, values])
-        state.copy_keys, state.copy_values = keys, values
+        state.copy_keys, state.copy_values = _appended(
+            state.copy_keys, state.copy_values, state.copy_len, keys, values
+        )
+        state.copy_len += keys.shape[0]
 
     @classmethod
     def from_checkpoint(
@@ -442,17 +450,39 @@ def _own_token_info(draft: LyannaDraftModel) -> tuple[torch.Tensor | None, Gated
     return None, gated
 
 
+def _appended(
+    keys: torch.Tensor | None, values: torch.Tensor | None, length: int,
+    new_keys: torch.Tensor, new_values: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Buffers holding ``length`` rows with the new rows written after them (doubled when
+    they run out of room)."""
+    need = length + new_keys.shape[0]
+    if keys is None or need > keys.shape[0]:
+        room = max(2 * need, 64)
+        grown_keys = new_keys.new_zeros(room, new_keys.shape[1])
+        grown_values = new_values.new_zeros(room, new_values.shape[1])
+        if keys is not None:
+            grown_keys[:length], grown_values[:length] = keys[:length], values[:length]
+        keys, values = grown_keys, grown_values
+    keys[length:need], values[length:need] = new_keys, new_values
+    return keys, values
+
+
 def _padded_contexts(states: list[_SeqState]) -> tuple[torch.Tensor, ...]:
     """Each sequence's copy context, padded to the longest: keys [B, L, dc], values [B, L, n],
-    visible [B, L] bool."""
-    lengths = [s.copy_keys.shape[0] for s in states]
+    visible [B, L] bool (one sequence: views of its buffers, nothing copied)."""
+    lengths = [s.copy_len for s in states]
     width = max(lengths)
     first = states[0]
+    if len(states) == 1:
+        visible = torch.ones(1, width, dtype=torch.bool, device=first.copy_keys.device)
+        return first.copy_keys[None, :width], first.copy_values[None, :width], visible
     keys = first.copy_keys.new_zeros(len(states), width, first.copy_keys.shape[1])
     values = first.copy_values.new_zeros(len(states), width, first.copy_values.shape[1])
     visible = torch.zeros(len(states), width, dtype=torch.bool, device=keys.device)
     for b, (s, n) in enumerate(zip(states, lengths, strict=True)):
-        keys[b, :n], values[b, :n], visible[b, :n] = s.copy_keys, s.copy_values, True
+        keys[b, :n], values[b, :n] = s.copy_keys[:n], s.copy_values[:n]
+        visible[b, :n] = True
     return keys, values, visible
 
 

@@ -226,3 +226,19 @@ def test_a_copy_drafter_output_equals_plain_decoding(info_gate: bool) -> None:
     generate(target, plain)
     assert [s.output_ids for s in seqs] == [s.output_ids for s in plain]
     assert stats.num_drafted > 0 and stats.num_accepted > 0
+
+
+def test_the_copy_context_grows_without_losing_rows() -> None:
+    from lyanna.drafters.lyanna import _appended
+
+    keys = values = None
+    length, rows = 0, []
+    for size in (50, 10, 30, 100):  # grows past 64, then past twice the need
+        new = torch.randn(size, 3)
+        keys, values = _appended(keys, values, length, new, 2 * new)
+        length += size
+        rows.append(new)
+    expected = torch.cat(rows)
+    assert keys.shape[0] >= length
+    torch.testing.assert_close(keys[:length], expected)
+    torch.testing.assert_close(values[:length], 2 * expected)
