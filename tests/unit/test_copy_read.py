@@ -207,15 +207,16 @@ def test_served_copy_read_is_the_trained_one(info_gate: bool, cold_root: bool) -
         assert served[token] == pytest.approx(p, rel=1e-4 if info_gate else 1e-3, abs=1e-5)
 
 
-@pytest.mark.parametrize("info_gate", [False, True])
-def test_a_copy_drafter_output_equals_plain_decoding(info_gate: bool) -> None:
+@pytest.mark.parametrize(("info_gate", "generic"), [(False, False), (True, False), (True, True)])
+def test_a_copy_drafter_output_equals_plain_decoding(info_gate: bool, generic: bool) -> None:
     """Lossless with a copy read, re-sampling and fusion on, two sequences batched (their
-    contexts of different lengths padded), and the context growing with each verified step."""
+    contexts of different lengths padded), and the context growing with each verified step;
+    ``generic``: the device-generic placement a GPU uses, here on the CPU."""
     target = make_tiny_model(4, vocab_size=VOCAB)
     draft = noisy_copy_draft(target, seed=0, info_gate=info_gate)
     drafter = LyannaDrafter(target, draft, DraftBudget(depth=3, top_k=3, max_tokens=8),
                             ResampleConfig(enabled=True, fusion=True), max_running=2,
-                            max_len=128)  # fmt: skip
+                            max_len=128, generic=generic)  # fmt: skip
     prompts = [[1, 5, 9, 2, 5, 9], [3, 3, 7]]
     engine = SpecEngine(target, drafter, EngineConfig(max_running=2, max_len=128))
     seqs = [Sequence(i, p, SamplingParams(max_tokens=20)) for i, p in enumerate(prompts)]
