@@ -12,6 +12,10 @@ the token-info embedding (paper: "Make Every Draft Count", Sections 4-6).
   training into a lookup table over the hot tokens (hot-token sparsity: tokens outside the
   hot set have no row and are never proposed).
 
+Beyond the paper (issue 41, ``info_copy``): a copy read, the parent token's attention over
+the committed context's tokens reading the target's states where it occurred (``CopyRead``),
+added to the state the LM head reads; the chain itself still never sees a token.
+
 Hidden states here are the target's *final, post-norm* states, so the LM head applies to
 them directly; the draft layer's output goes through its own RMSNorm into that space.
 """
@@ -61,7 +65,8 @@ class LyannaDraftConfig:
     # k_p = E(t_p) Wk (cosine scores, a learned temperature and a "no match" sink), and reads
     # their target states H_p (which predict t_(p+1)); the read, scaled per dimension and
     # gated by the chain state, joins the state the LM head reads only (the chain still feeds
-    # h on: canonical). Training and evaluation; not served yet
+    # h on: canonical). Trained, evaluated and served (``token_info_tree.ContextCopy``; the
+    # host loop drafts: no captured device step for it yet)
     info_copy: bool = False
     copy_dim: int = 64
 
@@ -71,7 +76,7 @@ class LyannaDraftConfig:
         if self.info_space not in ("logits", "state"):
             raise ValueError("info_space must be 'logits' or 'state'")
         if self.chain_steps < 1 or self.info_rank < 1 or self.copy_dim < 1:
-            raise ValueError("chain_steps and info_rank must be >= 1")
+            raise ValueError("chain_steps, info_rank and copy_dim must be >= 1")
 
     def to_dict(self) -> dict:
         d = asdict(self)
