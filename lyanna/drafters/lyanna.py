@@ -124,6 +124,9 @@ class LyannaDrafter(SampledDrafting):
             shared = draft.embedding.data_ptr() == target.embed_tokens.weight.data_ptr()
             blocks = embedding_blocks(target) if shared else None  # the target's own rows
             self.lm_head = hot_lm_head(draft.embedding, draft.hot_ids, dtype, blocks)
+        if isinstance(per_chain, ContextCopy):  # its logits through the drafter's own head
+            own = draft.out_norm.weight.dtype
+            per_chain = replace(per_chain, head=lambda rows: self.lm_head(rows.to(own)).float())
         self.info_table = info  # [num_hot, num_hot] on the draft's device, or None
         # an info_gate / info_copy drafter's token info instead, made per chain
         self._per_chain = per_chain
@@ -425,7 +428,6 @@ def _token_info(
             gate_weight=copy.gate.weight.float()[0].clone(),
             gate_bias=float(copy.gate.bias),
             hot_query=draft.embedding[draft.hot_ids].float() @ query,
-            head=draft.embedding[draft.hot_ids].float(),
             scale=copy.scale.float().clone(),
             temperature=float(copy.log_temperature.exp()),
             sink=copy.sink.float().clone(),

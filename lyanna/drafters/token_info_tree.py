@@ -25,6 +25,7 @@ frontier is {server, speed}.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -88,11 +89,12 @@ class ContextCopy:
     gate_weight: torch.Tensor  # [n] w
     gate_bias: float
     hot_query: torch.Tensor  # [num_hot, dc] E(hot) Wq
-    head: torch.Tensor  # [num_hot, n] float32 hot LM-head rows
     scale: torch.Tensor  # [n]
     temperature: float
     sink: torch.Tensor  # [dc]
     sink_bias: float
+    # the hot LM head, [..., n] -> [..., num_hot] float32 logits: the drafter's own (prepacked)
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None
     # per chain (``for_chains``)
     state_query: torch.Tensor | None = None  # [B, steps, dc] h_i Wqs
     gates: torch.Tensor | None = None  # [B, steps, 1] sigmoid(h_i w + b)
@@ -133,7 +135,7 @@ class ContextCopy:
         sink = q @ self.sink + self.sink_bias
         weights = torch.cat([scores, sink[..., None]], dim=-1).softmax(-1)[..., :-1]
         read = (weights @ self.values) * self.gates[:, step, None] * self.scale  # [B, f, n]
-        copy = read @ self.head.T
+        copy = self.head(read)
         if self.base is None:
             return copy
         if isinstance(self.base, GatedTokenInfo):
