@@ -19,6 +19,7 @@ from lyanna.engine import EngineConfig, SpecEngine
 from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence
 from tests.conftest import make_tiny_model
+from tests.unit.test_lyanna_drafter import assert_root_children
 from training.losses import TrainBatch
 from training.lyanna import draft_loss
 
@@ -196,15 +197,8 @@ def test_served_copy_read_is_the_trained_one(info_gate: bool, cold_root: bool) -
         h = states[0, 0, 5]
         step1 = (h + read) @ draft.hot_head.T + draft.token_info(torch.tensor(root), h)
     assert read.abs().max() > 1e-3  # the read is part of the numbers checked
-    probs = step1.softmax(-1)
-    children = [i for i, p in enumerate(tree.parent_list) if p == 0]
-    served = {tree.token_list[i]: float(tree.draft_token_probs[i]) for i in children}
-    top = probs.topk(2)
-    expected = {int(draft.hot_ids[c]): float(v) for v, c in zip(*top, strict=True)}
-    assert served.keys() == expected.keys()
-    for token, p in expected.items():
-        # (a gate-less base is the collapsed table, served in fp16)
-        assert served[token] == pytest.approx(p, rel=1e-4 if info_gate else 1e-3, abs=1e-5)
+    # (a gate-less base is the collapsed table, served in fp16)
+    assert_root_children(tree, step1, draft.hot_ids, rel=1e-4 if info_gate else 1e-3)
 
 
 @pytest.mark.parametrize(("info_gate", "generic"), [(False, False), (True, False), (True, True)])

@@ -328,16 +328,22 @@ def test_served_gated_token_info_is_the_trained_one(info_space: str) -> None:
         if info_space == "state":
             corrected = states[0] + draft.info_delta(torch.tensor(7), states[0])
             torch.testing.assert_close(step1, corrected @ draft.hot_head.T)
-    probs = step1.softmax(-1)
-    children = [i for i, p in enumerate(tree.parent_list) if p == 0]
-    served = {tree.token_list[i]: float(tree.draft_token_probs[i]) for i in children}
-    top = probs.topk(2)
-    expected = {int(draft.hot_ids[c]): float(v) for v, c in zip(*top, strict=True)}
-    assert served.keys() == expected.keys()
-    for token, p in expected.items():
-        assert served[token] == pytest.approx(p, rel=1e-4, abs=1e-5)
+    assert_root_children(tree, step1, draft.hot_ids)
     gates = 1 + states @ gate.T
     torch.testing.assert_close(drafter.seqs[0].chain_info.gates[0], gates, rtol=1e-4, atol=1e-4)
+
+
+def assert_root_children(tree, logits: torch.Tensor, hot_ids: torch.Tensor,
+                         rel: float = 1e-4) -> None:  # fmt: skip
+    """The tree's depth-1 children are the top-2 of ``softmax(logits)`` [num_hot] over the hot
+    vocabulary, with those probabilities."""
+    children = [i for i, p in enumerate(tree.parent_list) if p == 0]
+    served = {tree.token_list[i]: float(tree.draft_token_probs[i]) for i in children}
+    top = logits.softmax(-1).topk(2)
+    expected = {int(hot_ids[c]): float(v) for v, c in zip(*top, strict=True)}
+    assert served.keys() == expected.keys()
+    for token, p in expected.items():
+        assert served[token] == pytest.approx(p, rel=rel, abs=1e-5)
 
 
 def test_gated_resample_reads_the_remaining_steps_gates() -> None:
