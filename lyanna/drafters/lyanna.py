@@ -163,7 +163,9 @@ class LyannaDrafter(SampledDrafting):
         roots = self.draft.embedding[self.placement.ids([s.root for s in states])]
         return info.for_chains(chains, _padded_contexts(states), roots)
 
-    def _remember_context(self, state: _SeqState, tokens, hidden: torch.Tensor) -> None:
+    def _remember_context(
+        self, state: _SeqState, tokens: list[int] | torch.Tensor, hidden: torch.Tensor
+    ) -> None:
         """info_copy: append committed tokens and the target's states at them to the
         sequence's copy context (keys ``normalize(E(t) Wk)``), in buffers that double when
         full (no copy of the whole context per step)."""
