@@ -278,16 +278,30 @@ class CopyRead(nn.Module):
     ) -> torch.Tensor:
         dtype = states.dtype
         q = parent_emb.to(dtype) @ self.query.to(dtype) + states @ self.state_query.to(dtype)
-        q = F.normalize(q.float(), dim=-1) * self.log_temperature.exp()
         k = F.normalize((key_emb.to(dtype) @ self.key.to(dtype)).float(), dim=-1)
-        scores = q @ k.transpose(-1, -2)  # [B, A, T]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        sink = q @ self.sink.float() + self.sink_bias.float()
-        scores = torch.cat([scores, sink[..., None]], dim=-1)
-        weights = scores.softmax(-1)[..., :-1]
+        weights = copy_weights(q, k, visible, self.log_temperature.exp(), self.sink.float(),
+                               self.sink_bias.float())  # fmt: skip
         read = weights.to(values.dtype) @ values  # [B, A, n]
         gate = torch.sigmoid(self.gate(states.float()))
         return (gate * read.float() * self.scale.float()).to(dtype)
+
+
+def copy_weights(
+    query: torch.Tensor,  # [..., q, dc] raw queries E(t) Wq + h Wqs
+    keys: torch.Tensor,  # [..., T, dc] normalised keys
+    visible: torch.Tensor,  # bool, broadcast to [..., q, T]: the keys each query may read
+    temperature: torch.Tensor | float,
+    sink: torch.Tensor,  # [dc]
+    sink_bias: torch.Tensor | float,
+) -> torch.Tensor:  # [..., q, T] float32
+    """The copy read's attention weights: cosine scores times the temperature over the
+    visible keys and a "no match" sink (``q . sink + sink_bias``), softmaxed together; the
+    sink's share is dropped. One rule for training (``CopyRead``) and serving
+    (``token_info_tree.ContextCopy``)."""
+    q = F.normalize(query.float(), dim=-1) * temperature
+    scores = (q @ keys.transpose(-1, -2)).masked_fill(~visible, float("-inf"))
+    sink_scores = q @ sink + sink_bias
+    return torch.cat([scores, sink_scores[..., None]], dim=-1).softmax(-1)[..., :-1]
 
 
 class _TrainingKV:

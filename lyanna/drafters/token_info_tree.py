@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from lyanna.draft_nodes import DraftNodes
+from lyanna.drafters.lyanna_model import copy_weights
 from lyanna.drafters.placement import to_host
 from lyanna.drafters.sampled import DraftSampling, SampledTrees, draw_children
 
@@ -130,17 +131,11 @@ class ContextCopy:
         """Bias rows [B, f, num_hot] of the frontier's hot rows ``hot`` [B, f]: the base
         token info (none for a cold root) plus the copy read."""
         token = self.root_query[:, None] if step == 0 else self.hot_query[hot]  # [B, f|1, dc]
-        q = F.normalize(token + self.state_query[:, step, None], dim=-1) * self.temperature
-        scores = (q @ self.keys.transpose(1, 2)).masked_fill(~self.visible[:, None], -torch.inf)
-        sink = q @ self.sink + self.sink_bias
-        weights = torch.cat([scores, sink[..., None]], dim=-1).softmax(-1)[..., :-1]
+        weights = copy_weights(token + self.state_query[:, step, None], self.keys,
+                               self.visible[:, None], self.temperature, self.sink,
+                               self.sink_bias)  # fmt: skip
         read = (weights @ self.values) * self.gates[:, step, None] * self.scale  # [B, f, n]
-        copy = self.head(read)
-        if self.base is None:
-            return copy
-        if isinstance(self.base, GatedTokenInfo):
-            return self.base.rows(hot, step) + copy
-        return self.base[hot.clamp(min=0)].float() * (hot >= 0)[..., None] + copy
+        return _with_token_info(self.head(read), hot, self.base, step)
 
     def after(self, start: int) -> ContextCopy:
         """The same chains from step ``start`` on (the caller sets the new root's query)."""
