@@ -43,9 +43,10 @@ SHAPE=${SHAPE:-default}  # DEVICE=cpu SHAPE=tiny: the same steps in seconds
 run engine_vs_peers 150 python3 -m bench.engine_vs_peers --device "$DEVICE" --dtype bf16 \
     --shape "$SHAPE" --batches 1 16 64 --max-tokens 128
 SB=(python3 -m bench.spec_bench --limit-per-category 1 --max-tokens "$TOKENS" --device "$DEVICE")
-run cuda_tests 120 python3 -m pytest -q -p no:cacheprovider -k cuda \
+run cuda_tests 120 python3 -m pytest -q -p no:cacheprovider -k "cuda or on_a_gpu" \
     tests/unit/test_drafters_on_device.py tests/services/test_placement.py \
-    tests/unit/test_train_loop.py tests/unit/test_static_batch.py tests/unit/test_static_step.py
+    tests/unit/test_train_loop.py tests/unit/test_static_batch.py tests/unit/test_static_step.py \
+    tests/unit/test_static_draft.py
 run spec_bench_bf16_t0 120 "${SB[@]}" --methods ar,ngram,eagle,lyanna --dtype bf16
 run serving_bf16 170 python3 -m bench.serving --deployments embedded services \
     --concurrency 1 4 16 --requests 24 --max-tokens "$TOKENS" \

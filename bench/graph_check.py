@@ -184,12 +184,15 @@ def random_drafter(
     max_running: int = 4,
     max_len: int = 400,
     feed_residual: bool = False,
+    info_gate: bool = False,
+    info_copy: bool = False,
     **flags,
 ):
     """An EAGLE-2 or Lyanna drafter with random weights (the same for the same seed) next to
     ``model``, on the device-generic path a GPU runs (``flags``: e.g. ``generic=False`` for
     the CPU fast paths, ``device_steps=False`` for the host-built trees; ``feed_residual``:
-    Lyanna's chain feeds itself the layer's raw output)."""
+    Lyanna's chain feeds itself the layer's raw output; ``info_gate``, ``info_copy``: its
+    per-chain token info, with weights off their start so that they change the trees)."""
     torch.manual_seed(seed)
     config = model.config
     hot = torch.randperm(config.vocab_size)[: max(16, config.vocab_size // 2)]
@@ -199,12 +202,18 @@ def random_drafter(
         head = EagleHead(EagleConfig.for_target(config, hot.numel()))
         head.hot_vocab.copy_(hot)
         return EagleDrafter(model, head, **kwargs)
-    draft_config = LyannaDraftConfig(
-        config, num_hot=hot.numel(), info_rank=16, feed_residual=feed_residual
-    )
+    draft_config = LyannaDraftConfig(config, num_hot=hot.numel(), info_rank=16,
+                                     feed_residual=feed_residual, info_gate=info_gate,
+                                     info_copy=info_copy, copy_dim=16)  # fmt: skip
     draft = LyannaDraftModel(draft_config, model.embed_tokens.weight, hot)
     with torch.no_grad():
         draft.w2.normal_(0.0, 0.5)  # a token-info table that changes the trees
+        if info_gate:
+            draft.info_gate.weight.normal_(0.0, 0.3)
+        if info_copy:
+            draft.copy.state_query.normal_(0.0, 0.3)
+            draft.copy.gate.weight.normal_(0.0, 0.3)
+            draft.copy.scale.normal_(0.0, 0.5)
     return LyannaDrafter(model, draft, **kwargs)
 
 

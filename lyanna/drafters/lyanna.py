@@ -29,6 +29,7 @@ import torch
 from lyanna.draft_nodes import DraftNodes
 from lyanna.drafters.base import DraftBudget, VerifiedStep
 from lyanna.drafters.checkpoint import checkpoint_dir, read_checkpoint
+from lyanna.drafters.copy_context import CopyContexts
 from lyanna.drafters.heads import (
     draft_weight_dtype,
     embedding_blocks,
@@ -75,11 +76,6 @@ class _SeqState:
     chain_logits: torch.Tensor | None = None  # [N, num_hot] of the last fresh chain
     # its per-chain token info (info_gate, info_copy), B = 1: what re-sampling reads
     chain_info: GatedTokenInfo | ContextCopy | None = None
-    # info_copy: the committed context's copy keys [L, dc] and target states [L, n] in the
-    # first copy_len rows of buffers with room to grow
-    copy_keys: torch.Tensor | None = None
-    copy_values: torch.Tensor | None = None
-    copy_len: int = 0
     resampled: DraftNodes | None = None
     resampled_paths: frozenset[tuple[int, ...]] = frozenset()  # token paths only it proposed
 
@@ -128,10 +124,9 @@ class LyannaDrafter(SampledDrafting):
             own = draft.out_norm.weight.dtype
             per_chain = replace(per_chain, head=lambda rows: self.lm_head(rows.to(own)).float())
         self.info_table = info  # [num_hot, num_hot] on the draft's device, or None
-        # an info_gate / info_copy drafter's token info instead, made per chain
-        self._per_chain = per_chain
-        if per_chain is not None:  # no table for the captured device step: the host loop
-            self.device_steps = False
+        # an info_gate / info_copy drafter's token info instead, made per chain (on the host
+        # loop and inside the captured device step alike)
+        self.per_chain_info = per_chain
         self.budget = budget or DraftBudget()
         self._init_sampling(sample_drafts)  # and the gain calibrations
         self.resample = resample or ResampleConfig()
@@ -144,40 +139,42 @@ class LyannaDrafter(SampledDrafting):
             place.device,
             spare_rows=self.budget.depth,
         )
+        self.copy_contexts = None  # info_copy: each slot's committed keys and target states
+        if isinstance(per_chain, ContextCopy):  # fixed rows where a captured step reads them
+            rows = self.cache.num_rows if self.device_steps else None
+            self.copy_contexts = CopyContexts(self.cache.num_slots, per_chain.key.shape[1],
+                                              draft.config.target.hidden_size, place.device,
+                                              rows)  # fmt: skip
         self.seqs: dict[int, _SeqState] = {}
         self._target = target
 
     def drop_token_info(self) -> None:
         """Ablation ("token info off at inference"): trees from the chain's logits alone, no
         table, gated info or copy read."""
-        self.info_table = self._per_chain = None
+        self.info_table = self.per_chain_info = self.copy_contexts = None
 
     def _chain_info(self, chains: torch.Tensor, states: list[_SeqState]) -> TokenInfo | None:
         """The token info of these chains [B, N, n]: the table, or made from their states
         (and with a copy read, their sequences' contexts and roots)."""
-        info = self._per_chain
+        info = self.per_chain_info
         if info is None:
             return self.info_table
-        if isinstance(info, GatedTokenInfo):
-            return info.for_chains(chains)
-        roots = self.draft.embedding[self.placement.ids([s.root for s in states])]
-        return info.for_chains(chains, _padded_contexts(states), roots)
+        contexts = roots = None
+        if self.copy_contexts is not None:
+            contexts = self.copy_contexts.padded([s.slot for s in states])
+            roots = self.draft.embedding[self.placement.ids([s.root for s in states])]
+        return info.for_chains(chains, contexts, roots)
 
     def _remember_context(
         self, state: _SeqState, tokens: list[int] | torch.Tensor, hidden: torch.Tensor
     ) -> None:
         """info_copy: append committed tokens and the target's states at them to the
-        sequence's copy context (keys ``normalize(E(t) Wk)``), in buffers that double when
-        full (no copy of the whole context per step)."""
-        info = self._per_chain
-        if not isinstance(info, ContextCopy):
+        sequence's copy context (keys ``normalize(E(t) Wk)``)."""
+        info = self.per_chain_info
+        if self.copy_contexts is None or not isinstance(info, ContextCopy):
             return
         keys = info.context_keys(self.draft.embedding[self.placement.ids(list(tokens))])
-        values = hidden.to(self.placement.device, torch.float32)
-        state.copy_keys, state.copy_values = _appended(
-            state.copy_keys, state.copy_values, state.copy_len, keys, values
-        )
-        state.copy_len += keys.shape[0]
+        self.copy_contexts.append(state.slot, keys, hidden.to(self.placement.device))
 
     @classmethod
     def from_checkpoint(
@@ -198,6 +195,8 @@ class LyannaDrafter(SampledDrafting):
         with torch.inference_mode():
             pending = self.draft.fuse(self._own_dtype(prompt_hidden), following)
         self.seqs[seq_id] = state = _SeqState(self.cache.allocate(), first_token, pending, 0)
+        if self.copy_contexts is not None:
+            self.copy_contexts.reset(state.slot)
         self._remember_context(state, prompt_ids, prompt_hidden)
 
     def on_verified(self, steps: list[VerifiedStep]) -> dict[int, int]:
@@ -393,12 +392,19 @@ class LyannaDrafter(SampledDrafting):
         rows = index.to(h1.device)  # each sequence's row of the window
         x = h1.new_zeros(batch, h1.shape[-1])
         x[rows] = h1
+        roots = torch.zeros(batch, dtype=torch.int64)  # idle window rows: any token
+        roots[index] = torch.tensor([s.root for s in states])
         roots_hot = torch.full((batch,), -1, dtype=torch.int64)
-        roots_hot[index] = self.hot_index[torch.tensor([s.root for s in states])]
+        roots_hot[index] = self.hot_index[roots[index]]
         lengths = cache.lengths[:batch]
-        columns, parents, probs, logits = steps.run(key, (x, lengths, roots_hot))
+        copies = self.copy_contexts  # the step reads each context by its slot's KV length
+        if copies is not None and any(copies.lengths[s] != int(cache.lengths[s]) for s in slots):
+            raise RuntimeError("a copy context out of step with its draft KV rows")
+        columns, parents, probs, logits, chains = steps.run(key, (x, lengths, roots_hot, roots))
         for state, row in zip(states, slots, strict=True):  # for re-sampling after verification
             state.chain_logits = logits[row].clone() if steps.capture else logits[row]
+            if self.per_chain_info is not None:
+                state.chain_info = self._chain_info(chains[row : row + 1].clone(), [state])
         columns, parents, probs = to_host(columns[rows], parents[rows], probs[rows])
         B = len(states)
         roots = torch.tensor([[s.root] for s in states])
@@ -452,42 +458,6 @@ def _own_token_info(draft: LyannaDraftModel) -> tuple[torch.Tensor | None, Gated
         gated = GatedTokenInfo(factors, draft.info_out().float(), weight, eps,
                                draft.info_gate.weight.float().clone())  # fmt: skip
     return None, gated
-
-
-def _appended(
-    keys: torch.Tensor | None, values: torch.Tensor | None, length: int,
-    new_keys: torch.Tensor, new_values: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Buffers holding ``length`` rows with the new rows written after them (doubled when
-    they run out of room)."""
-    need = length + new_keys.shape[0]
-    if keys is None or need > keys.shape[0]:
-        room = max(2 * need, 64)
-        grown_keys = new_keys.new_zeros(room, new_keys.shape[1])
-        grown_values = new_values.new_zeros(room, new_values.shape[1])
-        if keys is not None:
-            grown_keys[:length], grown_values[:length] = keys[:length], values[:length]
-        keys, values = grown_keys, grown_values
-    keys[length:need], values[length:need] = new_keys, new_values
-    return keys, values
-
-
-def _padded_contexts(states: list[_SeqState]) -> tuple[torch.Tensor, ...]:
-    """Each sequence's copy context, padded to the longest: keys [B, L, dc], values [B, L, n],
-    visible [B, L] bool (one sequence: views of its buffers, nothing copied)."""
-    lengths = [s.copy_len for s in states]
-    width = max(lengths)
-    first = states[0]
-    if len(states) == 1:
-        visible = torch.ones(1, width, dtype=torch.bool, device=first.copy_keys.device)
-        return first.copy_keys[None, :width], first.copy_values[None, :width], visible
-    keys = first.copy_keys.new_zeros(len(states), width, first.copy_keys.shape[1])
-    values = first.copy_values.new_zeros(len(states), width, first.copy_values.shape[1])
-    visible = torch.zeros(len(states), width, dtype=torch.bool, device=keys.device)
-    for b, (s, n) in enumerate(zip(states, lengths, strict=True)):
-        keys[b, :n], values[b, :n] = s.copy_keys[:n], s.copy_values[:n]
-        visible[b, :n] = True
-    return keys, values, visible
 
 
 def _token_paths(nodes: DraftNodes) -> frozenset[tuple[int, ...]]:

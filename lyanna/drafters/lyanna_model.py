@@ -65,8 +65,8 @@ class LyannaDraftConfig:
     # k_p = E(t_p) Wk (cosine scores, a learned temperature and a "no match" sink), and reads
     # their target states H_p (which predict t_(p+1)); the read, scaled per dimension and
     # gated by the chain state, joins the state the LM head reads only (the chain still feeds
-    # h on: canonical). Trained, evaluated and served (``token_info_tree.ContextCopy``; the
-    # host loop drafts: no captured device step for it yet)
+    # h on: canonical). Trained, evaluated and served (``token_info_tree.ContextCopy`` over
+    # ``copy_context.CopyContexts``, on the host loop and in the captured device step)
     info_copy: bool = False
     copy_dim: int = 64
 

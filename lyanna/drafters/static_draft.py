@@ -21,7 +21,8 @@ shape, and nothing inside a step reads a device value on the host.
   context catch-up in one call: the chain ``h2..hN`` from ``h1`` alone (its KV rows written
   past the committed prefix and never committed), the hot LM head once over the chain, and
   token-info tree sampling (``token_info_tree.device_subtrees``) with the collapsed bias
-  table, all on the device.
+  table (or the per-chain token info: the gated info, the copy read over each slot's
+  ``copy_context.CopyContexts`` rows), all on the device.
 
 The context catch-ups (the newly committed rows entering the draft KV) keep the eager
 forward: their row counts vary like a prompt's. Sampled (temperature > 0) trees draw on the
@@ -36,7 +37,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from lyanna.drafters.token_info_tree import device_subtrees
+from lyanna.drafters.copy_context import CopyContexts
+from lyanna.drafters.token_info_tree import ContextCopy, GatedTokenInfo, device_subtrees
 from lyanna.model.kv_cache import KVCache
 from lyanna.model.static_step import (
     CapturedSteps,
@@ -67,9 +69,11 @@ class ChainDrafter(Protocol):
     """What Lyanna's step reads of a drafter (``lyanna.LyannaDrafter``)."""
 
     cache: KVCache
-    draft: nn.Module  # layer, out_norm and rotary tables (``LyannaDraftModel``)
+    draft: nn.Module  # layer, out_norm, embedding and rotary tables (``LyannaDraftModel``)
     lm_head: nn.Module
     info_table: torch.Tensor | None
+    per_chain_info: GatedTokenInfo | ContextCopy | None  # made per chain instead of a table
+    copy_contexts: CopyContexts | None  # with a copy read: each slot's context
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,9 +226,11 @@ def lyanna_steps(drafter: ChainDrafter, capture: bool | None = None, wrap=None) 
             h1: torch.Tensor,  # [B, n] the layer's raw last output over the context
             lengths: torch.Tensor,  # [B] committed draft rows (the context) of each slot
             roots_hot: torch.Tensor,  # [B] int64 hot row of each root token, -1 if cold
+            roots: torch.Tensor,  # [B] int64 root tokens (a copy read queries with them)
         ):
             """Chain step j (1..N-1) reads the previous state at position ``lengths + j - 1``
-            and writes that row; it sees the context and the chain rows before it."""
+            and writes that row; it sees the context and the chain rows before it. A copy
+            read reads each slot's first ``lengths`` context rows (as many as its KV)."""
             B = h1.shape[0]
             chain_rows = torch.arange(width, device=h1.device)
             h, x = draft.read_out(h1)
@@ -245,9 +251,19 @@ def lyanna_steps(drafter: ChainDrafter, capture: bool | None = None, wrap=None) 
                 )
                 h, x = draft.read_out(draft.layer(x[:, None], ctx, 0)[:, 0])
                 chain.append(h)
-            logits = drafter.lm_head(torch.stack(chain, dim=1))  # [B, N, num_hot]: one GEMM
-            columns, parents, probs = device_subtrees(logits, roots_hot, key.k, drafter.info_table)
-            return columns, parents, probs, logits
+            chains = torch.stack(chain, dim=1)  # [B, N, n]
+            logits = drafter.lm_head(chains)  # [B, N, num_hot]: one GEMM
+            info = drafter.per_chain_info
+            if info is None:
+                info = drafter.info_table
+            else:
+                contexts = root_embeddings = None
+                if drafter.copy_contexts is not None:
+                    contexts = drafter.copy_contexts.window(B, key.kv_len, lengths)
+                    root_embeddings = draft.embedding[roots]
+                info = info.for_chains(chains, contexts, root_embeddings)
+            columns, parents, probs = device_subtrees(logits, roots_hot, key.k, info)
+            return columns, parents, probs, logits, chains
 
         return chain_step
 

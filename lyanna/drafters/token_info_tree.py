@@ -53,8 +53,11 @@ class GatedTokenInfo:
     gate: torch.Tensor  # [rank, n] float32: G
     gates: torch.Tensor | None = None  # [B, steps, rank] float32 of the chains (``for_chains``)
 
-    def for_chains(self, chains: torch.Tensor) -> GatedTokenInfo:
-        """The token info of the chains ``chains`` [B, steps, n]."""
+    def for_chains(
+        self, chains: torch.Tensor, contexts: object = None, root_embeddings: object = None
+    ) -> GatedTokenInfo:
+        """The token info of the chains ``chains`` [B, steps, n] (a copy read's arguments
+        ignored: ``ContextCopy.for_chains``'s signature)."""
         return replace(self, gates=1.0 + chains.float() @ self.gate.T)
 
     def rows(self, hot: torch.Tensor, step: int) -> torch.Tensor:
@@ -203,7 +206,7 @@ def device_subtrees(
     logits: torch.Tensor,  # [B, steps, num_hot] raw chain logits (no token info yet)
     roots_hot: torch.Tensor,  # [B] int64 hot row of each root token, -1 if cold
     top_k: int,
-    info_table: torch.Tensor | None,  # [num_hot, num_hot] collapsed token info, or None
+    info_table: TokenInfo | None,  # collapsed table, per-chain info (``for_chains``) or None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # hot columns, parents, probs [B, M]
     """``build_subtrees`` for top-k trees, every step on the logits' device and nothing read
     back: each drafted node's hot column, parent index and draft probability in node order

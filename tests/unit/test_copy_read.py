@@ -158,7 +158,7 @@ def test_a_copy_checkpoint_loads_for_serving(tmp_path) -> None:
     save_file(state, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(draft.config.to_dict()))
     served = LyannaDrafter.from_checkpoint(target, tmp_path)
-    assert served.draft.copy is not None and float(served._per_chain.scale[0]) == 0.25
+    assert served.draft.copy is not None and float(served.per_chain_info.scale[0]) == 0.25
 
 
 def noisy_copy_draft(target, seed: int, info_gate: bool, num_hot: int = VOCAB) -> LyannaDraftModel:
@@ -223,17 +223,32 @@ def test_a_copy_drafter_output_equals_plain_decoding(info_gate: bool, generic: b
     assert stats.num_drafted > 0 and stats.num_accepted > 0
 
 
-def test_the_copy_context_grows_without_losing_rows() -> None:
-    from lyanna.drafters.lyanna import _appended
+def test_the_copy_contexts_grow_without_losing_rows() -> None:
+    """Growing contexts keep every slot's rows; a reset slot starts empty; fixed rows (what a
+    captured step holds) refuse to grow instead of moving."""
+    from lyanna.drafters.copy_context import CopyContexts
 
-    keys = values = None
-    length, rows = 0, []
+    contexts = CopyContexts(num_slots=3, key_dim=3, value_dim=2, device="cpu")
+    rows = {0: [], 2: []}
     for size in (50, 10, 30, 100):  # grows past 64, then past twice the need
-        new = torch.randn(size, 3)
-        keys, values = _appended(keys, values, length, new, 2 * new)
-        length += size
-        rows.append(new)
-    expected = torch.cat(rows)
-    assert keys.shape[0] >= length
-    torch.testing.assert_close(keys[:length], expected)
-    torch.testing.assert_close(values[:length], 2 * expected)
+        for slot in rows:
+            new = torch.randn(size, 3)
+            contexts.append(slot, new, new[:, :2] * 2)
+            rows[slot].append(new)
+    assert contexts.keys.shape[1] >= 190
+    keys, values, visible = contexts.padded([2, 0])
+    for b, slot in enumerate((2, 0)):
+        torch.testing.assert_close(keys[b], torch.cat(rows[slot]))
+        torch.testing.assert_close(values[b], 2 * torch.cat(rows[slot])[:, :2])
+    assert visible.all()
+    contexts.reset(0)
+    contexts.append(0, torch.ones(4, 3), torch.ones(4, 2))
+    keys, _, visible = contexts.padded([0, 2])
+    assert visible[0].sum() == 4 and visible[1].all()
+    torch.testing.assert_close(keys[0, :4], torch.ones(4, 3))
+    one_keys, _, one_visible = contexts.padded([0])
+    assert one_keys.shape == (1, 4, 3) and one_visible.all()
+    fixed = CopyContexts(num_slots=1, key_dim=3, value_dim=2, device="cpu", rows=8)
+    fixed.append(0, torch.ones(8, 3), torch.ones(8, 2))
+    with pytest.raises(ValueError, match="exceeds"):
+        fixed.append(0, torch.ones(1, 3), torch.ones(1, 2))

@@ -5,6 +5,8 @@ steps of random prompts, batches and releases that cross window and KV buckets."
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -66,17 +68,53 @@ def test_a_residual_fed_chain_drafts_the_host_trees(generic, model) -> None:
     assert run.steps == 40 and run.trees >= 60
 
 
+@pytest.mark.parametrize("info", ["copy", "gate", "gate+copy"])
+@pytest.mark.parametrize("generic", [False, True], ids=["cpu-fast", "generic"])
+def test_per_chain_token_info_drafts_the_host_trees(info, generic, model) -> None:
+    """The gated token info and the copy read (each slot's context read inside the step)
+    draft on the device what the host loop drafts, over batches, releases and re-sampling."""
+    budget = DraftBudget(depth=4, top_k=3, max_tokens=16)
+    flags = dict(info_gate="gate" in info, info_copy="copy" in info, generic=generic)
+    host, device = (random_drafter("lyanna", model, 3, budget, device_steps=steps, **flags)
+                    for steps in (False, True))  # fmt: skip
+    assert device.info_table is None and device.per_chain_info is not None
+    with one_thread():
+        run = lockstep(model, [host, device], steps=60, seed=5)
+    assert run.first_break is None
+    assert run.mismatches == 0, run.first_mismatch
+    assert run.steps == 60 and run.trees >= 100
+    assert host._steps is None and len({k.kv_len for k in device.steps.keys_seen}) >= 2
+    if "copy" in info:
+        assert device.copy_contexts.fixed and not host.copy_contexts.fixed
+
+
+def test_the_copy_read_changes_the_device_trees(model) -> None:
+    """Without its copy read the same drafter drafts other trees on the device: the check
+    above sees the read."""
+    budget = DraftBudget(depth=4, top_k=3, max_tokens=16)
+    with_read = random_drafter("lyanna", model, 3, budget, info_copy=True, device_steps=True)
+    without = random_drafter("lyanna", model, 3, budget, info_copy=True, device_steps=True)
+    silent = torch.zeros_like(without.per_chain_info.scale)
+    without.per_chain_info = replace(without.per_chain_info, scale=silent)
+    with one_thread():
+        run = lockstep(model, [with_read, without], steps=20, seed=5)
+    assert run.mismatches > 0
+
+
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
 @CUDA
-@pytest.mark.parametrize("method", ["eagle", "lyanna"])
+@pytest.mark.parametrize("method", ["eagle", "lyanna", "lyanna-copy"])
 def test_captured_draft_steps_draft_the_host_trees_on_a_gpu(method) -> None:
     """On a GPU the device steps are captured as CUDA graphs (one per bucket) and replayed:
-    the same trees as the host path on the same device."""
+    the same trees as the host path on the same device (a copy read too)."""
     model = random_model("tiny", seed=1).to("cuda")
     budget = DraftBudget(depth=4, top_k=3, max_tokens=16)
-    host, device = _pair(method, model, budget, generic=True)
+    name, copy = method.split("-")[0], method.endswith("copy")
+    host, device = (random_drafter(name, model, 3, budget, device_steps=steps,
+                                   **(dict(info_copy=True) if copy else {}))
+                    for steps in (False, True))  # fmt: skip
     run = lockstep(model, [host, device], steps=60, seed=5)
     assert run.first_break is None
     assert run.mismatches == 0, run.first_mismatch
