@@ -22,9 +22,10 @@ MATERIALIZE=${MATERIALIZE:-distill-v1 distill-v2 distill-v3 distill-heldout-v1}
 GEN_RUN=${GEN_RUN:-distill-v4} GEN_START=${GEN_START:-93}
 DATA=${DATA:-distill-v1,distill-v2,distill-v3} VAL=${VAL:-distill-heldout-v1}
 TRAIN_SPECS=${TRAIN_SPECS:-"eagle 6e-4 0.2 e6 eagle 1.5e-3 0.2 e15 lyanna 6e-4 1.0 l6 lyanna 1.5e-3 1.0 l15"}
-# extra training.train flags of the Lyanna runs, e.g. "--info-copy true" (the copy read: the
-# 29th session's best at 2M on the CPU; a committed checkpoint continues with its scale at zero)
-LYANNA_FLAGS=${LYANNA_FLAGS:-}
+# extra training.train flags of the Lyanna runs: by default the copy read (the 29th session's
+# best at 2M on the CPU, +0.20-0.24 held-out top-1 over EAGLE-2 on two seeds; INIT=committed
+# continues a copy checkpoint, or a copy-less one with the read's scale at zero); "" for none
+LYANNA_FLAGS=${LYANNA_FLAGS---info-copy true}
 BATCH_TOKENS=${BATCH_TOKENS:-16384} EVAL_EVERY=${EVAL_EVERY:-100} INIT=${INIT:-scratch}
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 LOGS=${LOGS:-runs/gpu/logs} EXPORT=${EXPORT:-runs/gpu/export}

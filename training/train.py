@@ -175,10 +175,17 @@ def export(model, config: TrainConfig, record: dict) -> Path:
         "train_config": dataclasses.asdict(config),
         "data": data,
         "metrics": record,
-        "reproduce": [*prepare_cmds, "python -m training.train " + shlex.join(sys.argv[1:])],
+        "reproduce": [*prepare_cmds, f"python -m {_entry_module()} " + shlex.join(sys.argv[1:])],
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return out
+
+
+def _entry_module() -> str:
+    """The module this process runs (``training.ablate`` calls ``train`` too): the reproduce
+    command names the one whose arguments it repeats."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return spec.name if spec is not None and spec.name.startswith("training.") else "training.train"
 
 
 def selection_score(val: dict[str, float]) -> float:
