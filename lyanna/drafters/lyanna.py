@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from lyanna.draft_nodes import DraftNodes
 from lyanna.drafters.base import DraftBudget, VerifiedStep
@@ -142,7 +143,7 @@ class LyannaDrafter(SampledDrafting):
         self.copy_contexts = None  # info_copy: each slot's committed keys and target states
         if isinstance(per_chain, ContextCopy):  # fixed rows where a captured step reads them
             rows = self.cache.num_rows if self.device_steps else None
-            self.copy_contexts = CopyContexts(self.cache.num_slots, per_chain.key.shape[1],
+            self.copy_contexts = CopyContexts(self.cache.num_slots, per_chain.query.shape[1],
                                               draft.config.target.hidden_size, place.device,
                                               rows)  # fmt: skip
         self.seqs: dict[int, _SeqState] = {}
@@ -173,7 +174,7 @@ class LyannaDrafter(SampledDrafting):
         info = self.per_chain_info
         if self.copy_contexts is None or not isinstance(info, ContextCopy):
             return
-        keys = info.context_keys(self.draft.embedding[self.placement.ids(list(tokens))])
+        keys = info.context_keys(self.placement.ids(list(tokens)))
         self.copy_contexts.append(state.slot, keys, hidden.to(self.placement.device))
 
     @classmethod
@@ -431,7 +432,7 @@ def _token_info(
         return None, ContextCopy(
             base=gated if gated is not None else table,
             query=query,
-            key=copy.key.float().clone(),
+            vocab_keys=F.normalize(draft.embedding.float() @ copy.key.float(), dim=-1),
             state_weight=copy.state_query.float().clone(),
             gate_weight=copy.gate.weight.float()[0].clone(),
             gate_bias=float(copy.gate.bias),

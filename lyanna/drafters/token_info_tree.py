@@ -88,7 +88,7 @@ class ContextCopy:
 
     base: torch.Tensor | GatedTokenInfo | None  # the parent's own token info (its fixed parts)
     query: torch.Tensor  # [n, dc] Wq
-    key: torch.Tensor  # [n, dc] Wk
+    vocab_keys: torch.Tensor  # [vocab, dc] normalize(E(t) Wk) of every token, made once
     state_weight: torch.Tensor  # [n, dc] Wqs
     gate_weight: torch.Tensor  # [n] w
     gate_bias: float
@@ -107,9 +107,9 @@ class ContextCopy:
     visible: torch.Tensor | None = None  # [B, L] bool: a real context row, not padding
     root_query: torch.Tensor | None = None  # [B, dc] E(root) Wq (a root may be cold)
 
-    def context_keys(self, embeddings: torch.Tensor) -> torch.Tensor:
-        """Copy keys [m, dc] of committed tokens' embeddings [m, n]."""
-        return F.normalize(embeddings.float() @ self.key, dim=-1)
+    def context_keys(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Copy keys [m, dc] of committed tokens [m] (a lookup: no product per step)."""
+        return self.vocab_keys[tokens]
 
     def for_chains(
         self,
