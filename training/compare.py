@@ -16,7 +16,11 @@ tokens. The last ``--val-sequences`` training sequences are the validation set t
 drafter's best learning rate (never the reported held-out run); the hot vocabulary is counted
 on the same training split, so it is the same for both (checked, and recorded).
 Checkpoints and train state go to ``$LYANNA_CACHE/compare/<tag>/`` (not the repository's
-``checkpoints/``); a rerun with the same tag resumes finished runs instead of training again.
+``checkpoints/``); a rerun with the same tag resumes finished runs instead of training again,
+and a run whose export is already there (e.g. a ``training.ablate`` run linked in) is
+evaluated, not trained, when its manifest's training config is this run's (else it stops).
+``--set lyanna:info_copy=true`` (repeatable; ``field=value`` for both) changes one drafter's
+``TrainConfig`` in every run of the sweep.
 Spec-Bench (evaluation only) runs each drafter's best checkpoint ungated, drafting a chain of
 ``--tree-depth`` tokens every step, and reports tau and conditional acceptance per depth.
 """
@@ -35,7 +39,7 @@ from safetensors.torch import load_file
 
 from lyanna.model import fetch_default_model, read_hf_dir
 from lyanna.model.default import cache_root
-from training.config import TrainConfig
+from training.config import TrainConfig, parse_overrides
 from training.data import iter_sequences
 from training.evaluate import Drafter, ensure_hidden_states, evaluate, evaluation_batches
 from training.train import plan_batches, selection_score
@@ -132,13 +136,49 @@ def gate_off_main(argv: list[str] | None = None) -> dict:
     return result
 
 
+# fields that do not change the trained weights: a finished export may differ in them
+BOOKKEEPING = ("run_name", "export_dir", "log_every", "eval_every", "ckpt_every", "threads",
+               "device", "init_from")  # fmt: skip
+
+
+def overrides(items: list[str], kind: str) -> dict:
+    """``--set`` items (``[kind:]field=value``) for the runs of ``kind``, typed as
+    ``training.train``'s flags type them."""
+    changes = {}
+    for item in items:
+        scope, _, assignment = item.rpartition(":")
+        if scope not in ("", kind):
+            continue
+        field, value = assignment.split("=", 1)
+        parsed = parse_overrides(["--" + field.replace("_", "-"), value])
+        changes[field] = getattr(parsed, field)
+    return changes
+
+
+def finished_run(config: TrainConfig) -> dict | None:
+    """The metrics of the run's export when it exists (None when it does not), after checking
+    that its manifest's training config is ``config`` in every field that shapes weights (a
+    field newer than the manifest counts as its default, which kept the older behaviour)."""
+    manifest = Path(config.export_dir) / "manifest.json"
+    if not manifest.is_file():
+        return None
+    recorded = json.loads(manifest.read_text())
+    mine, default = (json.loads(json.dumps(dataclasses.asdict(c))) for c in (config, TrainConfig()))
+    theirs = {**default, **recorded["train_config"]}
+    differs = sorted(k for k in mine if k not in BOOKKEEPING and theirs[k] != mine[k])
+    if differs:
+        raise SystemExit(f"{manifest.parent} was trained with other {', '.join(differs)}")
+    return recorded["metrics"]
+
+
 def markdown(report: dict) -> str:
     steps = len(next(iter(report["runs"]))["heldout_top1"])
     head = " | ".join(f"step {k}" for k in range(1, steps + 1))
     lines = [
         f"Equal budget: {report['token_passes']:,} token-passes ({report['steps']} steps of "
         f"{report['batch_tokens']} padded tokens) per run on `{report['data']}`, unroll depth "
-        f"{report['unroll_steps']}, the same {report['hot_vocab_size']}-token hot vocabulary. "
+        f"{report['unroll_steps']}, the same {report['hot_vocab_size']}-token hot vocabulary"
+        f"{changed(report.get('overrides', {}))}. "
         f"Held-out (`{report['heldout']}`) top-1 over the full vocabulary; the learning rate "
         "of each drafter picked on validation sequences of the training split (**bold**).",
         "",
@@ -167,6 +207,13 @@ def markdown(report: dict) -> str:
             lines.append(f"| {LABELS[kind]} | {r['tau']:.3f} | {cond} |")
     lines += ["", f"Command: `{report['command']}`"]
     return "\n".join(lines) + "\n"
+
+
+def changed(overrides_by_kind: dict) -> str:
+    """``; Lyanna with info_copy=True`` for the runs' ``--set`` changes ('' without)."""
+    parts = [f"{LABELS[k]} with " + ", ".join(f"{f}={v}" for f, v in o.items())
+             for k, o in overrides_by_kind.items() if o]  # fmt: skip
+    return "; " + "; ".join(parts) if parts else ""
 
 
 def plot(report: dict, path: Path) -> bool:
@@ -235,8 +282,9 @@ def compare(args: argparse.Namespace, command: str) -> dict:
     for kind in kinds:
         for lr in lrs:
             config = run_config(base, kind, lr, args.tag, ce_weights[kind])
+            config = dataclasses.replace(config, **overrides(args.set, kind))
             started = time.perf_counter()
-            record = train(config)
+            record = finished_run(config) or train(config)
             runs.append({"model": kind, "lr": lr, "export": config.export_dir,
                          "selection": selection_score(record["val"]), "val": record["val"],
                          "train_seconds": round(time.perf_counter() - started, 1)})  # fmt: skip
@@ -264,7 +312,7 @@ def compare(args: argparse.Namespace, command: str) -> dict:
         "batch_tokens": args.batch_tokens, "unroll_steps": args.unroll_steps,
         "hot_vocab_size": int(hot[0].numel()), "lrs": lrs, "ce_weights": ce_weights,
         "tree_depth": args.tree_depth or args.unroll_steps, "runs": runs, "best": best,
-        "command": command,
+        "overrides": {kind: overrides(args.set, kind) for kind in kinds}, "command": command,
     }  # fmt: skip
     if args.spec_bench_per_category:
         report["spec_bench"] = spec_bench(
@@ -300,6 +348,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=25)
     parser.add_argument("--tag", default="equal-budget")
+    parser.add_argument("--set", action="append", default=[],
+                        help="[eagle:|lyanna:]field=value, a TrainConfig change")  # fmt: skip
     parser.add_argument("--spec-bench-per-category", type=int, default=0, help="0 = skip")
     parser.add_argument("--spec-bench-max-tokens", type=int, default=128)
     parser.add_argument("--tree-depth", type=int, default=0, help="0 = --unroll-steps")

@@ -53,12 +53,12 @@ def test_compare_runs_an_equal_budget_sweep_and_writes_table_and_plot(
     }
     monkeypatch.setattr(compare_module, "ensure_hidden_states", lambda name, *a: runs[name])
     table, plot, out = tmp_path / "t.md", tmp_path / "img" / "p.png", tmp_path / "r.json"
-    compare_module.main(["--data", "tiny-train", "--heldout", "tiny-heldout",
-                         "--token-passes", "900", "--lrs", "1e-3,5e-3,2e-2",
-                         "--unroll-steps", "2", "--hot-vocab-size", "24", "--batch-tokens", "128",
-                         "--max-seq-len", "32", "--val-sequences", "4", "--threads", "1",
-                         "--tag", "t", "--table", str(table), "--plot", str(plot),
-                         "--json", str(out)])  # fmt: skip
+    args = ["--data", "tiny-train", "--heldout", "tiny-heldout", "--token-passes", "900",
+            "--lrs", "1e-3,5e-3,2e-2", "--unroll-steps", "2", "--hot-vocab-size", "24",
+            "--batch-tokens", "128", "--max-seq-len", "32", "--val-sequences", "4",
+            "--threads", "1", "--tag", "t", "--table", str(table), "--plot", str(plot),
+            "--json", str(out)]  # fmt: skip
+    compare_module.main(args)
     report = json.loads(out.read_text())
     assert len(report["runs"]) == 6
     assert report["token_passes"] >= 900 and report["hot_vocab_size"] == 24
@@ -81,6 +81,23 @@ def test_compare_runs_an_equal_budget_sweep_and_writes_table_and_plot(
     assert text.count("| EAGLE-2 |") == 3 and text.count("| Lyanna |") == 3
     assert text.count("| **") == 2  # one bold learning rate per drafter
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # a rerun finds every export finished: evaluated again, never trained
+    def no_training(config):
+        raise AssertionError(f"{config.run_name} trained again")
+
+    monkeypatch.setattr(train_module, "train", no_training)
+    again = compare_module.main(args)
+    assert [r["heldout_top1"] for r in again["runs"]] == [r["heldout_top1"] for r in report["runs"]]
+    # ... unless a run would now train otherwise: then it stops instead of reusing it
+    with pytest.raises(SystemExit, match="info_copy"):
+        compare_module.main([*args, "--set", "lyanna:info_copy=true"])
+
+
+def test_set_changes_one_drafter_typed_as_train_flags() -> None:
+    items = ["lyanna:info_copy=true", "eagle:feature_noise=0.5", "seed=3"]
+    assert compare_module.overrides(items, "lyanna") == {"info_copy": True, "seed": 3}
+    assert compare_module.overrides(items, "eagle") == {"feature_noise": 0.5, "seed": 3}
 
 
 def test_spec_bench_of_the_best_checkpoints_drafts_ungated_chains(tmp_path, monkeypatch) -> None:
