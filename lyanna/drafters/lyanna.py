@@ -154,27 +154,35 @@ class LyannaDrafter(SampledDrafting):
         table, gated info or copy read."""
         self.info_table = self.per_chain_info = self.copy_contexts = None
 
-    def _chain_info(self, chains: torch.Tensor, states: list[_SeqState]) -> TokenInfo | None:
-        """The token info of these chains [B, N, n]: the table, or made from their states
-        (and with a copy read, their sequences' contexts and roots)."""
-        info = self.per_chain_info
-        if info is None:
+    def chain_token_info(
+        self,
+        chains: torch.Tensor,  # [B, N, n]
+        contexts: tuple[torch.Tensor, ...] | None = None,  # a copy read's (keys, values, visible)
+        root_embeddings: torch.Tensor | None = None,  # [B, n]: a copy read's roots
+    ) -> TokenInfo | None:
+        """The token info of these chains: the table, or made from their states (a copy read
+        also reads their contexts from their roots). One rule for the host loop and the
+        device step (``static_draft.lyanna_steps``)."""
+        if self.per_chain_info is None:
             return self.info_table
-        contexts = roots = None
-        if self.copy_contexts is not None:
-            contexts = self.copy_contexts.padded([s.slot for s in states])
-            roots = self.draft.embedding[self.placement.ids([s.root for s in states])]
-        return info.for_chains(chains, contexts, roots)
+        return self.per_chain_info.for_chains(chains, contexts, root_embeddings)
+
+    def _chain_info(self, chains: torch.Tensor, states: list[_SeqState]) -> TokenInfo | None:
+        """``chain_token_info`` of these sequences' chains [B, N, n] on the host loop."""
+        if self.copy_contexts is None:
+            return self.chain_token_info(chains)
+        contexts = self.copy_contexts.padded([s.slot for s in states])
+        roots = self.draft.embedding[self.placement.ids([s.root for s in states])]
+        return self.chain_token_info(chains, contexts, roots)
 
     def _remember_context(
         self, state: _SeqState, tokens: list[int] | torch.Tensor, hidden: torch.Tensor
     ) -> None:
         """info_copy: append committed tokens and the target's states at them to the
         sequence's copy context (keys ``normalize(E(t) Wk)``)."""
-        info = self.per_chain_info
-        if self.copy_contexts is None or not isinstance(info, ContextCopy):
+        if self.copy_contexts is None:  # (set exactly when per_chain_info is a ContextCopy)
             return
-        keys = info.context_keys(self.placement.ids(list(tokens)))
+        keys = self.per_chain_info.context_keys(self.placement.ids(list(tokens)))
         self.copy_contexts.append(state.slot, keys, hidden.to(self.placement.device))
 
     @classmethod
@@ -393,19 +401,20 @@ class LyannaDrafter(SampledDrafting):
         rows = index.to(h1.device)  # each sequence's row of the window
         x = h1.new_zeros(batch, h1.shape[-1])
         x[rows] = h1
-        roots = torch.zeros(batch, dtype=torch.int64)  # idle window rows: any token
-        roots[index] = torch.tensor([s.root for s in states])
+        window_roots = torch.zeros(batch, dtype=torch.int64)  # idle window rows: any token
+        window_roots[index] = torch.tensor([s.root for s in states])
         roots_hot = torch.full((batch,), -1, dtype=torch.int64)
-        roots_hot[index] = self.hot_index[roots[index]]
+        roots_hot[index] = self.hot_index[window_roots[index]]
         lengths = cache.lengths[:batch]
         copies = self.copy_contexts  # the step reads each context by its slot's KV length
         if copies is not None and any(copies.lengths[s] != int(cache.lengths[s]) for s in slots):
             raise RuntimeError("a copy context out of step with its draft KV rows")
-        columns, parents, probs, logits, chains = steps.run(key, (x, lengths, roots_hot, roots))
+        inputs = (x, lengths, roots_hot, window_roots)
+        columns, parents, probs, logits, chains = steps.run(key, inputs)
         for state, row in zip(states, slots, strict=True):  # for re-sampling after verification
             state.chain_logits = logits[row].clone() if steps.capture else logits[row]
-            if self.per_chain_info is not None:
-                state.chain_info = self._chain_info(chains[row : row + 1].clone(), [state])
+            if self.per_chain_info is not None:  # (made from the chain, not keeping it)
+                state.chain_info = self._chain_info(chains[row : row + 1], [state])
         columns, parents, probs = to_host(columns[rows], parents[rows], probs[rows])
         B = len(states)
         roots = torch.tensor([[s.root] for s in states])

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from lyanna.drafters.copy_context import CopyContexts
-from lyanna.drafters.token_info_tree import ContextCopy, GatedTokenInfo, device_subtrees
+from lyanna.drafters.token_info_tree import TokenInfo, device_subtrees
 from lyanna.model.kv_cache import KVCache
 from lyanna.model.static_step import (
     CapturedSteps,
@@ -71,9 +71,14 @@ class ChainDrafter(Protocol):
     cache: KVCache
     draft: nn.Module  # layer, out_norm, embedding and rotary tables (``LyannaDraftModel``)
     lm_head: nn.Module
-    info_table: torch.Tensor | None
-    per_chain_info: GatedTokenInfo | ContextCopy | None  # made per chain instead of a table
     copy_contexts: CopyContexts | None  # with a copy read: each slot's context
+
+    def chain_token_info(
+        self,
+        chains: torch.Tensor,
+        contexts: tuple[torch.Tensor, ...] | None = None,
+        root_embeddings: torch.Tensor | None = None,
+    ) -> TokenInfo | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,15 +258,11 @@ def lyanna_steps(drafter: ChainDrafter, capture: bool | None = None, wrap=None) 
                 chain.append(h)
             chains = torch.stack(chain, dim=1)  # [B, N, n]
             logits = drafter.lm_head(chains)  # [B, N, num_hot]: one GEMM
-            info = drafter.per_chain_info
-            if info is None:
-                info = drafter.info_table
+            if drafter.copy_contexts is None:
+                info = drafter.chain_token_info(chains)
             else:
-                contexts = root_embeddings = None
-                if drafter.copy_contexts is not None:
-                    contexts = drafter.copy_contexts.window(B, key.kv_len, lengths)
-                    root_embeddings = draft.embedding[roots]
-                info = info.for_chains(chains, contexts, root_embeddings)
+                contexts = drafter.copy_contexts.window(B, key.kv_len, lengths)
+                info = drafter.chain_token_info(chains, contexts, draft.embedding[roots])
             columns, parents, probs = device_subtrees(logits, roots_hot, key.k, info)
             return columns, parents, probs, logits, chains
 
