@@ -1,5 +1,6 @@
 """Where a draft step's time goes (the Lyanna paper's Figure 13): layer forward, LM head,
-softmax, and the rest (sampling: top-k, tree bookkeeping, pruning, fusion), per drafter.
+softmax, an info_copy drafter's read of the context, and the rest (sampling: top-k, tree
+bookkeeping, pruning, fusion), per drafter.
 
     python -m bench.drafter_breakdown [--methods eagle,lyanna] [--limit-per-category 1]
         [--max-tokens 64] [--tree cost|fixed] [--depth D --top-k K --budget B] [--threads 1]
@@ -23,13 +24,13 @@ from bench.common import add_run_args, describe_tree, method_budget, print_table
 from bench.engine_vs_peers import bandwidth
 from bench.spec_bench import BenchSetup
 from lyanna.drafters import DraftBudget, Drafter, make_drafter
-from lyanna.drafters.scopes import LAYER_SCOPE, LM_HEAD_SCOPE, SOFTMAX_SCOPE
+from lyanna.drafters.scopes import COPY_SCOPE, LAYER_SCOPE, LM_HEAD_SCOPE, SOFTMAX_SCOPE
 from lyanna.engine import EngineConfig, SpecEngine
 from lyanna.sampling import SamplingParams
 from lyanna.sequence import Sequence
 from lyanna.stats import SpecStats
 
-SCOPES = (LAYER_SCOPE, LM_HEAD_SCOPE, SOFTMAX_SCOPE)
+SCOPES = (LAYER_SCOPE, LM_HEAD_SCOPE, SOFTMAX_SCOPE, COPY_SCOPE)
 
 
 def module_bytes(module: torch.nn.Module) -> int:
@@ -115,10 +116,12 @@ def main() -> None:
             "layer ms",
             "LM head ms",
             "softmax ms",
+            "copy read ms",
             "sampling+tree ms",
             "layer %",
             "LM head %",
             "softmax %",
+            "copy read %",
             "sampling+tree %",
             "weights MB/depth",
             "floor ms/depth",

@@ -279,29 +279,42 @@ class CopyRead(nn.Module):
         dtype = states.dtype
         q = parent_emb.to(dtype) @ self.query.to(dtype) + states @ self.state_query.to(dtype)
         k = F.normalize((key_emb.to(dtype) @ self.key.to(dtype)).float(), dim=-1)
-        weights = copy_weights(q, k, visible, self.log_temperature.exp(), self.sink.float(),
+        keys, bias = copy_keys(k, visible, self.log_temperature.exp(), self.sink.float(),
                                self.sink_bias.float())  # fmt: skip
+        weights = copy_weights(q, keys, bias)
         read = weights.to(values.dtype) @ values  # [B, A, n]
         gate = torch.sigmoid(self.gate(states.float()))
         return (gate * read.float() * self.scale.float()).to(dtype)
 
 
-def copy_weights(
-    query: torch.Tensor,  # [..., q, dc] raw queries E(t) Wq + h Wqs
+def copy_keys(
     keys: torch.Tensor,  # [..., T, dc] normalised keys
     visible: torch.Tensor,  # bool, broadcast to [..., q, T]: the keys each query may read
     temperature: torch.Tensor | float,
     sink: torch.Tensor,  # [dc]
     sink_bias: torch.Tensor | float,
-) -> torch.Tensor:  # [..., q, T] float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The copy read's keys as its scores use them: the visible keys and a "no match" sink
+    (score ``q . sink + sink_bias``) as one more key, times the temperature ([..., T + 1, dc]),
+    and the scores' additive mask ([..., q | 1, T + 1]: 0 where visible, -inf elsewhere, the
+    sink's bias last). Made once per context, then read by every query (``copy_weights``)."""
+    sink_key = sink.float().expand(*keys.shape[:-2], 1, keys.shape[-1])
+    scaled = torch.cat([keys.float(), sink_key], dim=-2) * temperature
+    mask = torch.zeros(visible.shape, device=keys.device).masked_fill(~visible, float("-inf"))
+    sink_score = torch.zeros_like(mask[..., :1]) + sink_bias  # (no host tensor: capturable)
+    return scaled, torch.cat([mask, sink_score], dim=-1)
+
+
+def copy_weights(
+    query: torch.Tensor,  # [B, q, dc] raw queries E(t) Wq + h Wqs
+    keys: torch.Tensor,  # [B, T + 1, dc] ``copy_keys``
+    bias: torch.Tensor,  # broadcast to [B, q, T + 1] ``copy_keys``
+) -> torch.Tensor:  # [B, q, T] float32
     """The copy read's attention weights: cosine scores times the temperature over the
-    visible keys and a "no match" sink (``q . sink + sink_bias``), softmaxed together; the
-    sink's share is dropped. One rule for training (``CopyRead``) and serving
-    (``token_info_tree.ContextCopy``)."""
-    q = F.normalize(query.float(), dim=-1) * temperature
-    scores = (q @ keys.transpose(-1, -2)).masked_fill(~visible, float("-inf"))
-    sink_scores = q @ sink + sink_bias
-    return torch.cat([scores, sink_scores[..., None]], dim=-1).softmax(-1)[..., :-1]
+    visible keys and the sink, softmaxed together; the sink's share is dropped. One rule for
+    training (``CopyRead``) and serving (``token_info_tree.ContextCopy``)."""
+    q = F.normalize(query.float(), dim=-1)
+    return torch.baddbmm(bias, q, keys.transpose(-1, -2)).softmax(-1)[..., :-1]
 
 
 class _TrainingKV:

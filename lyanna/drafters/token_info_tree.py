@@ -32,9 +32,10 @@ import torch
 import torch.nn.functional as F
 
 from lyanna.draft_nodes import DraftNodes
-from lyanna.drafters.lyanna_model import copy_weights
+from lyanna.drafters.lyanna_model import copy_keys, copy_weights
 from lyanna.drafters.placement import to_host
 from lyanna.drafters.sampled import DraftSampling, SampledTrees, draw_children
+from lyanna.drafters.scopes import COPY_SCOPE, LM_HEAD_SCOPE, scope
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -101,10 +102,10 @@ class ContextCopy:
     head: Callable[[torch.Tensor], torch.Tensor] | None = None
     # per chain (``for_chains``)
     state_query: torch.Tensor | None = None  # [B, steps, dc] h_i Wqs
-    gates: torch.Tensor | None = None  # [B, steps, 1] sigmoid(h_i w + b)
-    keys: torch.Tensor | None = None  # [B, L, dc] normalised context keys (padded)
-    values: torch.Tensor | None = None  # [B, L, n] the target's states at them
-    visible: torch.Tensor | None = None  # [B, L] bool: a real context row, not padding
+    gains: torch.Tensor | None = None  # [B, steps, n] sigmoid(h_i w + b) * scale
+    keys: torch.Tensor | None = None  # [B, L + 1, dc] the context's keys and the sink (copy_keys)
+    key_bias: torch.Tensor | None = None  # [B, 1, L + 1] their scores' mask (padding: -inf)
+    values: torch.Tensor | None = None  # [B, L, n] the target's states at the context's tokens
     root_query: torch.Tensor | None = None  # [B, dc] E(root) Wq (a root may be cold)
 
     def context_keys(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -121,9 +122,11 @@ class ContextCopy:
         h = chains.float()
         base = self.base.for_chains(h) if isinstance(self.base, GatedTokenInfo) else self.base
         keys, values, visible = contexts
+        keys, key_bias = copy_keys(keys, visible[:, None], self.temperature, self.sink,
+                                   self.sink_bias)  # fmt: skip
+        gates = torch.sigmoid(h @ self.gate_weight + self.gate_bias)[..., None]
         return replace(self, base=base, state_query=h @ self.state_weight,
-                       gates=torch.sigmoid(h @ self.gate_weight + self.gate_bias)[..., None],
-                       keys=keys, values=values, visible=visible,
+                       gains=gates * self.scale, keys=keys, key_bias=key_bias, values=values,
                        root_query=self.rooted(root_embeddings))  # fmt: skip
 
     def rooted(self, root_embeddings: torch.Tensor) -> torch.Tensor:
@@ -134,25 +137,27 @@ class ContextCopy:
         """Bias rows [B, f, num_hot] of the frontier's hot rows ``hot`` [B, f]: the base
         token info (none for a cold root) plus the copy read."""
         token = self.root_query[:, None] if step == 0 else self.hot_query[hot]  # [B, f|1, dc]
-        weights = copy_weights(token + self.state_query[:, step, None], self.keys,
-                               self.visible[:, None], self.temperature, self.sink,
-                               self.sink_bias)  # fmt: skip
-        read = (weights @ self.values) * self.gates[:, step, None] * self.scale  # [B, f, n]
-        return _with_token_info(self.head(read), hot, self.base, step)
+        with scope(COPY_SCOPE):
+            query = token + self.state_query[:, step, None]
+            weights = copy_weights(query, self.keys, self.key_bias)
+            read = (weights @ self.values) * self.gains[:, step, None]  # [B, f, n]
+        with scope(LM_HEAD_SCOPE):
+            logits = self.head(read)
+        return _with_token_info(logits, hot, self.base, step)
 
     def after(self, start: int) -> ContextCopy:
         """The same chains from step ``start`` on (the caller sets the new root's query)."""
         base = self.base.after(start) if isinstance(self.base, GatedTokenInfo) else self.base
         return replace(self, base=base, state_query=self.state_query[:, start:],
-                       gates=self.gates[:, start:])  # fmt: skip
+                       gains=self.gains[:, start:])  # fmt: skip
 
     def chain(self, b: int) -> ContextCopy:
         """Chain ``b``'s token info alone (B = 1), kept for its re-sampling."""
         base = self.base.chain(b) if isinstance(self.base, GatedTokenInfo) else self.base
         one = slice(b, b + 1)
         return replace(self, base=base, state_query=self.state_query[one],
-                       gates=self.gates[one], keys=self.keys[one], values=self.values[one],
-                       visible=self.visible[one], root_query=self.root_query[one])  # fmt: skip
+                       gains=self.gains[one], keys=self.keys[one], key_bias=self.key_bias[one],
+                       values=self.values[one], root_query=self.root_query[one])  # fmt: skip
 
 
 # a collapsed [num_hot, num_hot] table, a state-gated token info, or either with a copy read
